@@ -1,0 +1,431 @@
+//! Cross-rank diagnosis from flight-recorder dumps: the first collective the ranks of a group do
+//! not agree on, and who is to blame — the question "a job hung: which rank, which collective,
+//! why?" answered from the dumps of every rank (ours, or PyTorch's schema 2.x).
+//!
+//! For each process group, collectives are lined up by `collective_seq_id` across ranks,
+//! starting where every rank's ring still holds its entries, and the first one that differs is
+//! classified as PyTorch's flight-recorder analyzer does (a mismatch among the ranks that
+//! joined is reported before ranks that never joined: the failure a desync causes makes the
+//! late ranks' groups refuse the collective, so their absence is a symptom, not the cause):
+//!
+//! | finding | meaning |
+//! |---|---|
+//! | [`FindingKind::NeverJoined`] | some ranks never enqueued it: they are hung or elsewhere |
+//! | [`FindingKind::OpMismatch`] | ranks called different collectives at the same seq (desync) |
+//! | [`FindingKind::SizeMismatch`] | same collective, different input sizes |
+//! | [`FindingKind::DtypeMismatch`] | same collective, different dtypes |
+//! | [`FindingKind::StateMismatch`] | some ranks completed it, others are stuck in it |
+//! | [`FindingKind::Undecided`] | dumps are missing, so the culprit cannot be named |
+//!
+//! Point-to-point ops (their sequence numbers are per pair, not per group) are not compared.
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::fmt;
+
+use serde::{Deserialize, Serialize};
+
+use crate::recorder::{Dump, DumpEntry, EntryState};
+use crate::work::Rank;
+
+/// What is wrong with one collective.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(tag = "kind", rename_all = "snake_case")]
+#[non_exhaustive]
+pub enum FindingKind {
+    /// These ranks never enqueued the collective; the others are waiting in it.
+    NeverJoined {
+        /// The ranks that never joined (the culprits).
+        missing: Vec<Rank>,
+        /// The ranks that did.
+        waiting: Vec<Rank>,
+    },
+    /// Ranks called different collectives at this seq.
+    OpMismatch {
+        /// Op name → ranks that called it.
+        by_op: BTreeMap<String, Vec<Rank>>,
+    },
+    /// Input sizes differ.
+    SizeMismatch {
+        /// Sizes (as text) → ranks.
+        by_size: BTreeMap<String, Vec<Rank>>,
+    },
+    /// Input dtypes differ.
+    DtypeMismatch {
+        /// Dtypes (as text) → ranks.
+        by_dtype: BTreeMap<String, Vec<Rank>>,
+    },
+    /// Some ranks completed it, others did not.
+    StateMismatch {
+        /// Ranks that completed it.
+        completed: Vec<Rank>,
+        /// Ranks stuck in it.
+        stuck: Vec<Rank>,
+    },
+    /// Dumps are missing: the culprit may be among these ranks.
+    Undecided {
+        /// Ranks without a dump.
+        missing_dumps: Vec<Rank>,
+    },
+}
+
+/// The first disagreement in one process group.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Finding {
+    /// The group's id.
+    pub pg_id: u64,
+    /// The group's description, when a dump had it.
+    pub pg_desc: String,
+    /// The collective's seq.
+    pub seq: u64,
+    /// The op (profiling name without the backend prefix), as the majority recorded it.
+    pub op: String,
+    /// What is wrong.
+    pub kind: FindingKind,
+}
+
+impl Finding {
+    /// The ranks this finding blames.
+    pub fn culprits(&self) -> Vec<Rank> {
+        match &self.kind {
+            FindingKind::NeverJoined { missing, .. } => missing.clone(),
+            FindingKind::StateMismatch { stuck, .. } => stuck.clone(),
+            FindingKind::Undecided { missing_dumps } => missing_dumps.clone(),
+            FindingKind::OpMismatch { by_op: by }
+            | FindingKind::SizeMismatch { by_size: by }
+            | FindingKind::DtypeMismatch { by_dtype: by } => minority(by),
+        }
+    }
+}
+
+/// The diagnosis of a whole job: one finding per group that has one.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Diagnosis {
+    /// Ranks whose dumps were read.
+    pub ranks: Vec<Rank>,
+    /// Findings, by group id.
+    pub findings: Vec<Finding>,
+}
+
+impl Diagnosis {
+    /// Whether every group's ranks agree on every collective in the dumps.
+    pub fn is_healthy(&self) -> bool {
+        self.findings.is_empty()
+    }
+
+    /// As JSON.
+    pub fn to_json(&self) -> String {
+        serde_json::to_string_pretty(self).expect("a diagnosis is plain data")
+    }
+}
+
+fn ranks_text(ranks: &[Rank]) -> String {
+    let list: Vec<String> = ranks.iter().map(Rank::to_string).collect();
+    format!("[{}]", list.join(", "))
+}
+
+fn groups_text(by: &BTreeMap<String, Vec<Rank>>) -> String {
+    by.iter().map(|(k, r)| format!("{k} on ranks {}", ranks_text(r))).collect::<Vec<_>>().join("; ")
+}
+
+/// The ranks outside the largest group; when the largest size is shared (two ranks that
+/// disagree, say), there is no majority and every rank is a suspect.
+fn minority(by: &BTreeMap<String, Vec<Rank>>) -> Vec<Rank> {
+    let Some(most) = by.values().map(Vec::len).max() else { return Vec::new() };
+    let tied = by.values().filter(|r| r.len() == most).count() > 1;
+    let mut out: Vec<Rank> =
+        by.values().filter(|r| tied || r.len() != most).flat_map(|r| r.iter().copied()).collect();
+    out.sort();
+    out
+}
+
+impl fmt::Display for Finding {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let pg = if self.pg_desc.is_empty() {
+            format!("pg {}", self.pg_id)
+        } else {
+            format!("pg {} ({})", self.pg_id, self.pg_desc)
+        };
+        if self.op.is_empty() {
+            // Past the last collective any dump holds.
+            write!(f, "{pg}: after collective seq {}: ", self.seq.saturating_sub(1))?;
+        } else {
+            write!(f, "{pg}: collective seq {} ({}): ", self.seq, self.op)?;
+        }
+        match &self.kind {
+            FindingKind::NeverJoined { missing, waiting } => write!(
+                f,
+                "rank(s) {} never joined it; rank(s) {} are waiting in it",
+                ranks_text(missing),
+                ranks_text(waiting)
+            ),
+            FindingKind::OpMismatch { by_op } => {
+                write!(f, "ranks called different collectives: {}", groups_text(by_op))
+            }
+            FindingKind::SizeMismatch { by_size } => write!(f, "input sizes differ: {}", groups_text(by_size)),
+            FindingKind::DtypeMismatch { by_dtype } => write!(f, "dtypes differ: {}", groups_text(by_dtype)),
+            FindingKind::StateMismatch { completed, stuck } => {
+                write!(f, "rank(s) {} completed it but rank(s) {} did not", ranks_text(completed), ranks_text(stuck))
+            }
+            FindingKind::Undecided { missing_dumps } => write!(
+                f,
+                "undecided: no dump from rank(s) {}; the culprit may be among them",
+                ranks_text(missing_dumps)
+            ),
+        }
+    }
+}
+
+impl fmt::Display for Diagnosis {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        if self.findings.is_empty() {
+            return write!(f, "no disagreement: the {} dumps agree on every collective they hold", self.ranks.len());
+        }
+        for (i, finding) in self.findings.iter().enumerate() {
+            if i > 0 {
+                writeln!(f)?;
+            }
+            write!(f, "{finding}")?;
+            let culprits = finding.culprits();
+            if !culprits.is_empty() && !matches!(finding.kind, FindingKind::Undecided { .. }) {
+                write!(f, "\n  culprit rank(s): {}", ranks_text(&culprits))?;
+            }
+        }
+        Ok(())
+    }
+}
+
+/// The op name without the backend prefix (`tcp:all_reduce` → `all_reduce`).
+fn op_name(e: &DumpEntry) -> &str {
+    e.profiling_name.split_once(':').map_or(e.profiling_name.as_str(), |(_, op)| op)
+}
+
+/// Diagnose a job from its ranks' dumps. Each dump names its rank (ours do); for dumps that do
+/// not (torch's), pass the rank with it. `world_size` is the job's size (taken from the dumps
+/// when `None`).
+pub fn diagnose(dumps: &[(Rank, Dump)], world_size: Option<u32>) -> Diagnosis {
+    let world = world_size
+        .or_else(|| dumps.iter().filter_map(|(_, d)| d.world_size).max())
+        .unwrap_or_else(|| dumps.iter().map(|(r, _)| r.0 + 1).max().unwrap_or(0));
+    let have: BTreeSet<Rank> = dumps.iter().map(|(r, _)| *r).collect();
+    let missing_dumps: Vec<Rank> = (0..world).map(Rank).filter(|r| !have.contains(r)).collect();
+
+    // pg id → rank → seq → entry
+    let mut groups: BTreeMap<u64, BTreeMap<Rank, BTreeMap<u64, &DumpEntry>>> = BTreeMap::new();
+    let mut descs: BTreeMap<u64, String> = BTreeMap::new();
+    for (rank, dump) in dumps {
+        for e in dump.entries.iter().filter(|e| !e.is_p2p) {
+            groups.entry(e.pg_id).or_default().entry(*rank).or_default().insert(e.collective_seq_id, e);
+            descs.entry(e.pg_id).or_insert_with(|| e.process_group.1.clone());
+        }
+        // A rank with no entry for a group it belongs to still counts as a member.
+        for cfg in dump.pg_config.values() {
+            if let Ok(id) = cfg.name.parse::<u64>() {
+                groups.entry(id).or_default().entry(*rank).or_default();
+            }
+        }
+    }
+
+    let mut findings = Vec::new();
+    for (pg_id, by_rank) in &groups {
+        let pg_desc = descs.get(pg_id).cloned().unwrap_or_default();
+        if let Some(f) = first_disagreement(*pg_id, &pg_desc, by_rank, &missing_dumps) {
+            findings.push(f);
+        }
+    }
+    Diagnosis { ranks: have.into_iter().collect(), findings }
+}
+
+fn first_disagreement(
+    pg_id: u64,
+    pg_desc: &str,
+    by_rank: &BTreeMap<Rank, BTreeMap<u64, &DumpEntry>>,
+    missing_dumps: &[Rank],
+) -> Option<Finding> {
+    // Start where every rank that recorded anything still holds its entries.
+    let start = by_rank.values().filter_map(|m| m.keys().next().copied()).max()?;
+    let end = by_rank.values().filter_map(|m| m.keys().next_back().copied()).max()?;
+    let at = |seq: u64| {
+        let present: Vec<(Rank, &DumpEntry)> =
+            by_rank.iter().filter_map(|(r, m)| m.get(&seq).map(|e| (*r, *e))).collect();
+        let mut by_op: BTreeMap<String, Vec<Rank>> = BTreeMap::new();
+        for (r, e) in &present {
+            by_op.entry(op_name(e).to_owned()).or_default().push(*r);
+        }
+        let op = by_op.iter().max_by_key(|(_, r)| r.len()).map(|(k, _)| k.clone()).unwrap_or_default();
+        (present, by_op, op)
+    };
+    let finding = |seq: u64, op: String, kind| Some(Finding { pg_id, pg_desc: pg_desc.to_owned(), seq, op, kind });
+
+    // First pass: a mismatch of op, size or dtype anywhere is a certain desync, and the cause
+    // of whatever timing disagreement (ranks stuck, ranks that never joined) came before it in
+    // the dumps of an asynchronous job: report the earliest one.
+    for seq in start..=end {
+        let (present, by_op, op) = at(seq);
+        if by_op.len() > 1 {
+            return finding(seq, op, FindingKind::OpMismatch { by_op });
+        }
+        let group_by = |key: &dyn Fn(&DumpEntry) -> String| {
+            let mut by: BTreeMap<String, Vec<Rank>> = BTreeMap::new();
+            for (r, e) in &present {
+                by.entry(key(e)).or_default().push(*r);
+            }
+            by
+        };
+        let by_size = group_by(&|e| format!("{:?}", e.input_sizes));
+        if by_size.len() > 1 {
+            return finding(seq, op, FindingKind::SizeMismatch { by_size });
+        }
+        let by_dtype = group_by(&|e| format!("{:?}", e.input_dtypes));
+        if by_dtype.len() > 1 {
+            return finding(seq, op, FindingKind::DtypeMismatch { by_dtype });
+        }
+    }
+    // Second pass: the first collective some ranks never joined, or did not all finish.
+    for seq in start..=end {
+        let (present, _, op) = at(seq);
+        if present.is_empty() {
+            continue;
+        }
+        let absent: Vec<Rank> = by_rank.iter().filter(|(_, m)| !m.contains_key(&seq)).map(|(r, _)| *r).collect();
+        if !absent.is_empty() && !missing_dumps.is_empty() {
+            // Ranks we can see never joined, but a rank we cannot see may have failed the
+            // group first (a group that failed refuses later collectives): it is the suspect.
+            return finding(seq, op, FindingKind::Undecided { missing_dumps: missing_dumps.to_vec() });
+        }
+        if !absent.is_empty() {
+            return finding(
+                seq,
+                op,
+                FindingKind::NeverJoined { missing: absent, waiting: present.iter().map(|(r, _)| *r).collect() },
+            );
+        }
+        let completed: Vec<Rank> =
+            present.iter().filter(|(_, e)| e.state == EntryState::Completed).map(|(r, _)| *r).collect();
+        let stuck: Vec<Rank> =
+            present.iter().filter(|(_, e)| e.state != EntryState::Completed).map(|(r, _)| *r).collect();
+        if !stuck.is_empty() && !missing_dumps.is_empty() {
+            // The ranks we can see are stuck here (some, or all): they may be waiting on the
+            // ranks we cannot see, which are the suspects.
+            return finding(seq, op, FindingKind::Undecided { missing_dumps: missing_dumps.to_vec() });
+        }
+        if !completed.is_empty() && !stuck.is_empty() {
+            return finding(seq, op, FindingKind::StateMismatch { completed, stuck });
+        }
+    }
+    if !missing_dumps.is_empty() {
+        // Every dump agrees, but some ranks left none (a crashed process leaves no dump): the
+        // job stopped after seq `end`, and only they can say why.
+        return finding(end + 1, String::new(), FindingKind::Undecided { missing_dumps: missing_dumps.to_vec() });
+    }
+    None
+}
+
+#[cfg(test)]
+mod tests {
+    use std::time::Duration;
+
+    use super::*;
+    use crate::recorder::{DumpMeta, FlightRecorder, RecordRequest, RecorderConfig, TensorMeta};
+    use crate::tensor::DType;
+    use crate::work::WorkResult;
+
+    /// One rank's recorder after recording `ops` (name, numel, dtype, completed).
+    fn dump(rank: u32, world: u32, ops: &[(&str, usize, DType, bool)]) -> (Rank, Dump) {
+        let mut fr = FlightRecorder::new(RecorderConfig::default(), 0);
+        fr.record_group(0, "0", "default_pg", &(0..u64::from(world)).collect::<Vec<_>>());
+        for (i, &(op, numel, dtype, done)) in ops.iter().enumerate() {
+            let shape = [numel];
+            let t = [TensorMeta { dtype, shape: &shape }];
+            let name = format!("tcp:{op}");
+            let id = fr
+                .record(
+                    Duration::from_millis(i as u64),
+                    &RecordRequest {
+                        pg_id: 0,
+                        pg_name: "0",
+                        pg_desc: "default_pg",
+                        collective_seq_id: i as u64 + 1,
+                        p2p_seq_id: 0,
+                        op_id: i as u64 + 1,
+                        profiling_name: &name,
+                        inputs: &t,
+                        outputs: &t,
+                        timeout: Duration::from_secs(1),
+                        is_p2p: false,
+                    },
+                )
+                .unwrap();
+            fr.handle_started(id, Duration::from_millis(i as u64));
+            if done {
+                fr.handle_finished(id, Duration::from_millis(i as u64 + 1), &WorkResult::Success);
+            }
+        }
+        (Rank(rank), fr.dump(DumpMeta::new(Rank(rank), world)))
+    }
+
+    const AR: &str = "all_reduce";
+
+    #[test]
+    fn names_the_rank_that_never_joined() {
+        let ok = |n| vec![(AR, 8, DType::F32, true); n];
+        let mut stuck = ok(3);
+        stuck.push((AR, 8, DType::F32, false));
+        let dumps = vec![dump(0, 4, &stuck), dump(1, 4, &stuck), dump(2, 4, &ok(3)), dump(3, 4, &stuck)];
+        let d = diagnose(&dumps, None);
+        assert_eq!(d.findings.len(), 1);
+        let f = &d.findings[0];
+        assert_eq!((f.seq, f.op.as_str()), (4, AR));
+        assert_eq!(f.culprits(), vec![Rank(2)]);
+        assert_eq!(
+            d.to_string(),
+            "pg 0 (default_pg): collective seq 4 (all_reduce): rank(s) [2] never joined it; rank(s) [0, 1, 3] are waiting in it\n  culprit rank(s): [2]"
+        );
+    }
+
+    #[test]
+    fn desyncs_of_op_size_and_dtype_are_classified() {
+        let base = [(AR, 8, DType::F32, true)];
+        let op = diagnose(
+            &[
+                dump(0, 2, &[base[0], (AR, 8, DType::F32, false)]),
+                dump(1, 2, &[base[0], ("broadcast", 8, DType::F32, false)]),
+            ],
+            None,
+        );
+        assert!(matches!(op.findings[0].kind, FindingKind::OpMismatch { .. }), "{op}");
+        let size = diagnose(
+            &[
+                dump(0, 3, &[(AR, 8, DType::F32, false)]),
+                dump(1, 3, &[(AR, 8, DType::F32, false)]),
+                dump(2, 3, &[(AR, 9, DType::F32, false)]),
+            ],
+            None,
+        );
+        assert_eq!(size.findings[0].culprits(), vec![Rank(2)]);
+        assert!(size.to_string().contains("input sizes differ"), "{size}");
+        let dtype =
+            diagnose(&[dump(0, 2, &[(AR, 8, DType::F32, false)]), dump(1, 2, &[(AR, 8, DType::F64, false)])], None);
+        assert!(matches!(dtype.findings[0].kind, FindingKind::DtypeMismatch { .. }), "{dtype}");
+    }
+
+    #[test]
+    fn state_mismatch_and_missing_dumps() {
+        let done = [(AR, 8, DType::F32, true)];
+        let stuck = [(AR, 8, DType::F32, false)];
+        let d = diagnose(&[dump(0, 2, &done), dump(1, 2, &stuck)], None);
+        assert_eq!(d.findings[0].kind, FindingKind::StateMismatch { completed: vec![Rank(0)], stuck: vec![Rank(1)] });
+        let d = diagnose(&[dump(0, 3, &stuck), dump(1, 3, &stuck)], None);
+        assert_eq!(d.findings[0].kind, FindingKind::Undecided { missing_dumps: vec![Rank(2)] });
+        assert!(d.to_string().contains("undecided: no dump from rank(s) [2]"), "{d}");
+    }
+
+    #[test]
+    fn agreeing_dumps_are_healthy() {
+        let ops = vec![(AR, 8, DType::F32, true), ("broadcast", 3, DType::I64, true)];
+        let d = diagnose(&[dump(0, 2, &ops), dump(1, 2, &ops)], None);
+        assert!(d.is_healthy(), "{d}");
+        assert!(d.to_string().starts_with("no disagreement"));
+        let json = d.to_json();
+        assert!(json.contains("\"findings\": []"), "{json}");
+    }
+}

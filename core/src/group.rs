@@ -1,0 +1,1514 @@
+//! [`GroupState`]: one rank's state in one process group — sequence numbers, works in issue
+//! order, deadlines, peer liveness, abort and error handling.
+//!
+//! # Calling contract
+//!
+//! A driver owns one `GroupState` per process group and runs the sans-IO loop:
+//!
+//! 1. wait for one thing: a user submit, a frame from a peer, a data-plane completion, or the
+//!    [`GroupState::poll_timeout`] deadline;
+//! 2. feed exactly one input ([`submit`](GroupState::submit), [`handle_started`](GroupState::handle_started),
+//!    [`handle_waiting_on`](GroupState::handle_waiting_on), [`handle_completion`](GroupState::handle_completion),
+//!    [`handle_message`](GroupState::handle_message), [`handle_peer_activity`](GroupState::handle_peer_activity),
+//!    [`handle_peer_lost`](GroupState::handle_peer_lost), [`handle_abort`](GroupState::handle_abort),
+//!    [`handle_timeout`](GroupState::handle_timeout));
+//! 3. drain the outputs in this order, each until `None`: [`poll_transmit`](GroupState::poll_transmit)
+//!    (control messages for peers), [`poll_launch`](GroupState::poll_launch) (works the data plane
+//!    may start now, in issue order), [`poll_event`](GroupState::poll_event) (what the user sees);
+//! 4. re-read [`poll_timeout`](GroupState::poll_timeout) and go back to 1.
+//!
+//! Every submitted work ends exactly once, in an [`Event::WorkFinished`], and works finish in
+//! issue order: a work whose data plane finished early waits for the works before it.
+//!
+//! Failures are outcomes, not errors. What happens after one depends on [`ErrorHandling`],
+//! which mirrors `TORCH_NCCL_ASYNC_ERROR_HANDLING`.
+
+use std::collections::{BTreeMap, VecDeque};
+use std::time::{Duration, Instant};
+
+use serde::{Deserialize, Serialize};
+
+use crate::recorder::{Dump, DumpMeta, FlightRecorder, RecordId, RecordRequest, RecorderConfig};
+use crate::tensor::{DType, numel_of};
+use crate::watchdog::{TimeoutContext, TimerKind, TimerTable, timeout_message};
+use crate::work::{GroupId, IllegalTransition, Lifecycle, OpType, Rank, SeqNo, WorkId, WorkResult, WorkState};
+
+/// Gloo's default collective timeout (30 minutes).
+pub const DEFAULT_TIMEOUT: Duration = Duration::from_secs(30 * 60);
+
+/// What the group does after a work fails, mirroring `TORCH_NCCL_ASYNC_ERROR_HANDLING`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+pub enum ErrorHandling {
+    /// 0: only the failed work (and works needing a lost peer) fail; the group goes on.
+    NoHandling,
+    /// 1: fail the group (every in-flight work fails, later submits are refused), then ask the
+    /// driver to tear the process down ([`Event::TearDown`]).
+    TearDown,
+    /// 2: fail the group and clean up (the driver aborts its connections); the process lives.
+    #[default]
+    CleanUpOnly,
+    /// 3: ask the driver to tear the process down without cleaning up ([`Event::TearDown`]).
+    SkipCleanUp,
+}
+
+impl ErrorHandling {
+    /// From the numeric value of `TORCH_NCCL_ASYNC_ERROR_HANDLING` / `COHORT_ASYNC_ERROR_HANDLING`.
+    pub fn from_level(level: u8) -> Option<Self> {
+        Some(match level {
+            0 => ErrorHandling::NoHandling,
+            1 => ErrorHandling::TearDown,
+            2 => ErrorHandling::CleanUpOnly,
+            3 => ErrorHandling::SkipCleanUp,
+            _ => return None,
+        })
+    }
+
+    fn fails_group(self) -> bool {
+        self != ErrorHandling::NoHandling
+    }
+
+    fn tears_down(self) -> bool {
+        matches!(self, ErrorHandling::TearDown | ErrorHandling::SkipCleanUp)
+    }
+}
+
+/// Peer heartbeats: catch a peer that went silent (a hung host, a cut link) before the
+/// collective timeout. A peer that is alive but never calls the collective keeps sending
+/// heartbeats; the work deadline catches that one.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct HeartbeatConfig {
+    /// How often to send a heartbeat to every peer.
+    pub interval: Duration,
+    /// A peer silent for this long is declared lost.
+    pub dead_after: Duration,
+}
+
+impl Default for HeartbeatConfig {
+    fn default() -> Self {
+        HeartbeatConfig { interval: Duration::from_secs(1), dead_after: Duration::from_secs(10) }
+    }
+}
+
+/// Configuration of one rank's [`GroupState`].
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct GroupConfig {
+    /// The group's id (0 for the default group).
+    pub group_id: GroupId,
+    /// The group's name (c10d's pg name).
+    pub name: String,
+    /// A description (c10d's pg desc, e.g. "default_pg").
+    pub desc: String,
+    /// Number of ranks in the group.
+    pub world_size: u32,
+    /// Default timeout of every work (Gloo's 30 minutes unless set).
+    pub timeout: Duration,
+    /// What to do after a failure.
+    pub error_handling: ErrorHandling,
+    /// Peer heartbeats; `None` turns them off.
+    pub heartbeat: Option<HeartbeatConfig>,
+    /// Works the data plane may run at once; later ones wait in issue order.
+    pub max_in_flight: usize,
+    /// The flight recorder's ring size and timing.
+    pub recorder: RecorderConfig,
+    /// The backend's name in the recorder's profiling names (`tcp:all_reduce`).
+    pub backend: String,
+    /// Unix time in nanoseconds at the group's epoch, read by the caller at the same moment as
+    /// the `now` given to [`GroupState::new`]: the recorder's wall-clock anchor.
+    pub wall_epoch_ns: u64,
+}
+
+impl GroupConfig {
+    /// A default-group configuration for `world_size` ranks.
+    pub fn new(world_size: u32) -> Self {
+        GroupConfig {
+            group_id: GroupId(0),
+            name: "0".into(),
+            desc: "default_pg".into(),
+            world_size,
+            timeout: DEFAULT_TIMEOUT,
+            error_handling: ErrorHandling::default(),
+            heartbeat: Some(HeartbeatConfig::default()),
+            max_in_flight: 64,
+            recorder: RecorderConfig::default(),
+            backend: "cohort".into(),
+            wall_epoch_ns: 0,
+        }
+    }
+}
+
+/// Shape and dtype of one tensor argument.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct TensorSpec {
+    /// The dtype.
+    pub dtype: DType,
+    /// The shape.
+    pub shape: Vec<usize>,
+}
+
+impl TensorSpec {
+    /// A spec.
+    pub fn new(dtype: DType, shape: &[usize]) -> Self {
+        TensorSpec { dtype, shape: shape.to_vec() }
+    }
+
+    /// Number of elements (saturating on overflow).
+    pub fn numel(&self) -> usize {
+        numel_of(&self.shape).unwrap_or(usize::MAX)
+    }
+}
+
+impl crate::recorder::TensorShape for TensorSpec {
+    fn dtype(&self) -> DType {
+        self.dtype
+    }
+
+    fn shape(&self) -> &[usize] {
+        &self.shape
+    }
+}
+
+/// One work to run: what the user asked for, minus the data.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Collective {
+    /// The op.
+    pub op: OpType,
+    /// Input tensors.
+    pub inputs: Vec<TensorSpec>,
+    /// Output tensors.
+    pub outputs: Vec<TensorSpec>,
+    /// Root rank (broadcast, reduce, gather, scatter).
+    pub root: Option<Rank>,
+    /// Peer rank (send, recv).
+    pub peer: Option<Rank>,
+    /// Tag (send, recv).
+    pub tag: u32,
+    /// Elements per peer for `alltoall_base` with uneven splits: (input, output).
+    pub splits: Option<(Vec<usize>, Vec<usize>)>,
+    /// Overrides the group's timeout for this work.
+    pub timeout: Option<Duration>,
+}
+
+impl Collective {
+    /// A work of `op` with no tensors yet.
+    pub fn new(op: OpType) -> Self {
+        Collective {
+            op,
+            inputs: Vec::new(),
+            outputs: Vec::new(),
+            root: None,
+            peer: None,
+            tag: 0,
+            splits: None,
+            timeout: None,
+        }
+    }
+
+    /// Builder: inputs.
+    pub fn inputs(mut self, inputs: Vec<TensorSpec>) -> Self {
+        self.inputs = inputs;
+        self
+    }
+
+    /// Builder: outputs.
+    pub fn outputs(mut self, outputs: Vec<TensorSpec>) -> Self {
+        self.outputs = outputs;
+        self
+    }
+
+    /// Builder: root.
+    pub fn root(mut self, root: Rank) -> Self {
+        self.root = Some(root);
+        self
+    }
+
+    /// Builder: peer and tag.
+    pub fn peer(mut self, peer: Rank, tag: u32) -> Self {
+        self.peer = Some(peer);
+        self.tag = tag;
+        self
+    }
+
+    /// Builder: timeout.
+    pub fn timeout(mut self, timeout: Duration) -> Self {
+        self.timeout = Some(timeout);
+        self
+    }
+
+    /// Total input elements.
+    pub fn numel_in(&self) -> usize {
+        self.inputs.iter().map(TensorSpec::numel).fold(0, usize::saturating_add)
+    }
+
+    /// Total output elements (in-place ops, which have no outputs, count their inputs).
+    pub fn numel_out(&self) -> usize {
+        if self.outputs.is_empty() {
+            return self.numel_in();
+        }
+        self.outputs.iter().map(TensorSpec::numel).fold(0, usize::saturating_add)
+    }
+
+    /// The ranks this work cannot complete without (other than `me`).
+    pub fn peers_needed(&self, me: Rank, world_size: u32) -> Vec<Rank> {
+        match self.op {
+            OpType::Send | OpType::Recv => self.peer.into_iter().collect(),
+            OpType::RecvAnySource => Vec::new(),
+            _ => (0..world_size).map(Rank).filter(|&r| r != me).collect(),
+        }
+    }
+
+    /// Check the arguments as Gloo does, before anything is sent.
+    pub fn validate(&self, me: Rank, world_size: u32) -> Result<(), SubmitError> {
+        let op = self.op;
+        let n = world_size as usize;
+        let bad = |arg: &'static str, reason: String| Err(SubmitError::InvalidArgument { op, arg, reason });
+        if let Some(root) = self.root
+            && root.0 >= world_size
+        {
+            return Err(SubmitError::InvalidRoot { op, root, world_size });
+        }
+        let needs_root = matches!(op, OpType::Broadcast | OpType::Reduce | OpType::Gather | OpType::Scatter);
+        if needs_root && self.root.is_none() {
+            return bad("root", "a root rank is required".into());
+        }
+        let is_root = self.root == Some(me);
+        match op {
+            OpType::Send | OpType::Recv => {
+                let Some(peer) = self.peer else {
+                    return bad("peer", "a peer rank is required".into());
+                };
+                if peer.0 >= world_size {
+                    return Err(SubmitError::InvalidPeer { op, peer, world_size });
+                }
+                if peer == me {
+                    return bad("peer", format!("rank {peer} is this rank; send and recv need another rank"));
+                }
+            }
+            OpType::RecvAnySource => {}
+            _ => {}
+        }
+        let same_dtype = |list: &[TensorSpec], arg: &'static str| -> Result<(), SubmitError> {
+            if let Some(first) = list.first()
+                && let Some((i, t)) = list.iter().enumerate().find(|(_, t)| t.dtype != first.dtype)
+            {
+                return bad(arg, format!("tensor {i} has dtype {}, tensor 0 has {}", t.dtype, first.dtype));
+            }
+            Ok(())
+        };
+        let same_numel = |list: &[TensorSpec], numel: usize, arg: &'static str| -> Result<(), SubmitError> {
+            if let Some((i, t)) = list.iter().enumerate().find(|(_, t)| t.numel() != numel) {
+                return bad(arg, format!("tensor {i} has {} elements, expected {numel}", t.numel()));
+            }
+            Ok(())
+        };
+        let count = |list: &[TensorSpec], want: usize, arg: &'static str| -> Result<(), SubmitError> {
+            if list.len() != want {
+                return bad(arg, format!("expected {want} tensors (one per rank), got {}", list.len()));
+            }
+            Ok(())
+        };
+        let input_dtype = self.inputs.first().map(|t| t.dtype);
+        let outputs_match_input_dtype = |list: &[TensorSpec], arg: &'static str| -> Result<(), SubmitError> {
+            if let (Some(d), Some((i, t))) =
+                (input_dtype, list.iter().enumerate().find(|(_, t)| Some(t.dtype) != input_dtype))
+            {
+                return bad(arg, format!("tensor {i} has dtype {}, the input has {d}", t.dtype));
+            }
+            Ok(())
+        };
+        match op {
+            OpType::Barrier | OpType::MonitoredBarrier => Ok(()),
+            OpType::Allreduce
+            | OpType::Broadcast
+            | OpType::Reduce
+            | OpType::Send
+            | OpType::Recv
+            | OpType::RecvAnySource => {
+                if self.inputs.is_empty() {
+                    return bad("tensors", "requires at least one tensor".into());
+                }
+                same_dtype(&self.inputs, "tensors")?;
+                same_numel(&self.inputs, self.inputs[0].numel(), "tensors")
+            }
+            OpType::AllreduceCoalesced | OpType::AllgatherCoalesced => {
+                if self.inputs.is_empty() {
+                    return bad("tensors", "requires at least one tensor".into());
+                }
+                same_dtype(&self.inputs, "tensors")
+            }
+            OpType::AllreduceSparse => {
+                if self.inputs.len() != 2 {
+                    return bad("tensors", format!("expected indices and values, got {} tensors", self.inputs.len()));
+                }
+                Ok(())
+            }
+            OpType::Allgather => {
+                if self.inputs.len() != 1 {
+                    return bad("input_tensor", format!("requires a single input tensor, got {}", self.inputs.len()));
+                }
+                count(&self.outputs, n, "output_tensor_list")?;
+                outputs_match_input_dtype(&self.outputs, "output_tensor_list")?;
+                same_numel(&self.outputs, self.inputs[0].numel(), "output_tensor_list")
+            }
+            OpType::AllgatherIntoTensor => {
+                let (Some(i), Some(o)) = (self.inputs.first(), self.outputs.first()) else {
+                    return bad("tensors", "requires one input and one output tensor".into());
+                };
+                outputs_match_input_dtype(&self.outputs, "output_tensor")?;
+                if o.numel() != i.numel().saturating_mul(n) {
+                    return bad(
+                        "output_tensor",
+                        format!(
+                            "has {} elements, expected world size {n} × input {} = {}",
+                            o.numel(),
+                            i.numel(),
+                            i.numel().saturating_mul(n)
+                        ),
+                    );
+                }
+                Ok(())
+            }
+            OpType::ReduceScatter => {
+                if self.outputs.len() != 1 {
+                    return bad("output", format!("requires a single output tensor, got {}", self.outputs.len()));
+                }
+                count(&self.inputs, n, "input_list")?;
+                same_dtype(&self.inputs, "input_list")?;
+                same_numel(&self.inputs, self.outputs[0].numel(), "input_list")
+            }
+            OpType::ReduceScatterTensor => {
+                let (Some(i), Some(o)) = (self.inputs.first(), self.outputs.first()) else {
+                    return bad("tensors", "requires one input and one output tensor".into());
+                };
+                outputs_match_input_dtype(&self.outputs, "output")?;
+                if i.numel() != o.numel().saturating_mul(n) {
+                    return bad(
+                        "input",
+                        format!(
+                            "has {} elements, expected world size {n} × output {} = {}",
+                            i.numel(),
+                            o.numel(),
+                            o.numel().saturating_mul(n)
+                        ),
+                    );
+                }
+                Ok(())
+            }
+            OpType::Gather => {
+                if self.inputs.len() != 1 {
+                    return bad("tensor", format!("requires a single input tensor, got {}", self.inputs.len()));
+                }
+                if is_root {
+                    count(&self.outputs, n, "gather_list")?;
+                    outputs_match_input_dtype(&self.outputs, "gather_list")?;
+                    same_numel(&self.outputs, self.inputs[0].numel(), "gather_list")
+                } else if !self.outputs.is_empty() {
+                    bad("gather_list", "must be empty on non-root ranks".into())
+                } else {
+                    Ok(())
+                }
+            }
+            OpType::Scatter => {
+                if self.outputs.len() != 1 {
+                    return bad("tensor", format!("requires a single output tensor, got {}", self.outputs.len()));
+                }
+                if is_root {
+                    count(&self.inputs, n, "scatter_list")?;
+                    same_dtype(&self.inputs, "scatter_list")?;
+                    same_numel(&self.inputs, self.outputs[0].numel(), "scatter_list")
+                } else if !self.inputs.is_empty() {
+                    bad("scatter_list", "must be empty on non-root ranks".into())
+                } else {
+                    Ok(())
+                }
+            }
+            OpType::Alltoall => {
+                count(&self.inputs, n, "input_tensor_list")?;
+                count(&self.outputs, n, "output_tensor_list")?;
+                same_dtype(&self.inputs, "input_tensor_list")?;
+                outputs_match_input_dtype(&self.outputs, "output_tensor_list")
+            }
+            OpType::AlltoallBase => {
+                let (Some(i), Some(o)) = (self.inputs.first(), self.outputs.first()) else {
+                    return bad("tensors", "requires one input and one output tensor".into());
+                };
+                outputs_match_input_dtype(&self.outputs, "output")?;
+                match &self.splits {
+                    None => {
+                        if i.numel() % n != 0 || o.numel() % n != 0 {
+                            return bad(
+                                "input",
+                                format!(
+                                    "without splits, input ({}) and output ({}) elements must divide by world size {n}",
+                                    i.numel(),
+                                    o.numel()
+                                ),
+                            );
+                        }
+                        Ok(())
+                    }
+                    Some((ins, outs)) => {
+                        count_splits(op, ins, n, i.numel(), "input_split_sizes")?;
+                        count_splits(op, outs, n, o.numel(), "output_split_sizes")
+                    }
+                }
+            }
+        }
+    }
+}
+
+fn count_splits(op: OpType, splits: &[usize], n: usize, numel: usize, arg: &'static str) -> Result<(), SubmitError> {
+    if splits.len() != n {
+        return Err(SubmitError::InvalidArgument {
+            op,
+            arg,
+            reason: format!("expected {n} split sizes (one per rank), got {}", splits.len()),
+        });
+    }
+    let total = splits.iter().fold(0usize, |a, &b| a.saturating_add(b));
+    if total != numel {
+        return Err(SubmitError::InvalidArgument {
+            op,
+            arg,
+            reason: format!("split sizes sum to {total}, the tensor has {numel} elements"),
+        });
+    }
+    Ok(())
+}
+
+/// Why a submit was refused.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum SubmitError {
+    /// The group was aborted.
+    #[error("process group was aborted: {cause}")]
+    Aborted {
+        /// Why it was aborted.
+        cause: String,
+    },
+    /// The group failed earlier; this is the original cause.
+    #[error("process group failed earlier: {}", .cause.message)]
+    GroupFailed {
+        /// The first failure.
+        cause: GroupFailure,
+    },
+    /// A peer this work needs is gone.
+    #[error("{op}: rank {rank} is gone: {reason}")]
+    PeerLost {
+        /// The op.
+        op: OpType,
+        /// The lost rank.
+        rank: Rank,
+        /// Why it is gone.
+        reason: String,
+    },
+    /// Root outside the group.
+    #[error("{op}: invalid root rank {root}: the group has world size {world_size}")]
+    InvalidRoot {
+        /// The op.
+        op: OpType,
+        /// The root given.
+        root: Rank,
+        /// The group's size.
+        world_size: u32,
+    },
+    /// Peer outside the group.
+    #[error("{op}: invalid peer rank {peer}: the group has world size {world_size}")]
+    InvalidPeer {
+        /// The op.
+        op: OpType,
+        /// The peer given.
+        peer: Rank,
+        /// The group's size.
+        world_size: u32,
+    },
+    /// Some other argument is wrong.
+    #[error("{op}: invalid argument {arg}: {reason}")]
+    InvalidArgument {
+        /// The op.
+        op: OpType,
+        /// The argument's name, as torch.distributed calls it.
+        arg: &'static str,
+        /// What is wrong with it.
+        reason: String,
+    },
+}
+
+/// The first failure of a group, which every later submit is refused with.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct GroupFailure {
+    /// The rank that detected or suffered the failure first (this rank, or a remote one).
+    pub origin: Rank,
+    /// The rank held responsible (the lost, silent or missing rank), when known.
+    pub culprit: Option<Rank>,
+    /// The work on which it happened, when there was one.
+    pub seq: Option<SeqNo>,
+    /// What happened.
+    pub message: String,
+}
+
+/// A work the data plane may start now.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Launch {
+    /// Its id.
+    pub id: WorkId,
+    /// Its sequence number (collective or p2p, see [`Launch::is_p2p`]).
+    pub seq: SeqNo,
+    /// Whether `seq` counts point-to-point ops.
+    pub is_p2p: bool,
+    /// What to run.
+    pub collective: Collective,
+}
+
+/// Control messages a rank sends to peers (the TCP backend frames them; see `protocol`).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub enum ControlMsg {
+    /// I am alive.
+    Heartbeat,
+    /// My group failed; this is the cause.
+    Error {
+        /// Whom it blames, when known.
+        culprit: Option<Rank>,
+        /// The cause.
+        message: String,
+    },
+    /// I aborted the group.
+    Abort {
+        /// Why.
+        reason: String,
+    },
+}
+
+/// A control message for one peer.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Transmit {
+    /// The peer.
+    pub to: Rank,
+    /// The message.
+    pub msg: ControlMsg,
+}
+
+/// What the data plane says about a work it ran.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Completion {
+    /// The data arrived and the result is in place.
+    Success,
+    /// It failed; `rank` is the peer responsible when known.
+    Failed {
+        /// The peer at fault.
+        rank: Option<Rank>,
+        /// What happened.
+        message: String,
+    },
+}
+
+/// A finished work, as the user sees it.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct WorkSummary {
+    /// Its id.
+    pub id: WorkId,
+    /// Its sequence number.
+    pub seq: SeqNo,
+    /// Whether `seq` counts point-to-point ops.
+    pub is_p2p: bool,
+    /// The op.
+    pub op: OpType,
+    /// How it ended.
+    pub result: WorkResult,
+    /// Its state and times.
+    pub lifecycle: Lifecycle,
+}
+
+/// What the user (through the driver) sees.
+#[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum Event {
+    /// A work ended (exactly once per work, in issue order).
+    WorkFinished(WorkSummary),
+    /// A peer left cleanly (it said goodbye). Informational: works that still needed it are
+    /// failed by the data plane.
+    PeerDeparted {
+        /// The peer.
+        rank: Rank,
+    },
+    /// A peer is gone (its connection dropped or it went silent).
+    PeerLost {
+        /// The peer.
+        rank: Rank,
+        /// Why.
+        reason: String,
+    },
+    /// The group failed; later submits are refused with this cause. The driver cleans up
+    /// (aborts connections) and publishes the cause through the store.
+    GroupFailed(GroupFailure),
+    /// The group was aborted.
+    GroupAborted {
+        /// Why.
+        reason: String,
+    },
+    /// [`ErrorHandling`] asks the driver to end the process (after dumping the flight recorder).
+    TearDown {
+        /// Why.
+        cause: String,
+    },
+}
+
+#[derive(Debug)]
+struct WorkEntry {
+    seq: SeqNo,
+    is_p2p: bool,
+    collective: Collective,
+    lifecycle: Lifecycle,
+    timeout: Duration,
+    launched: bool,
+    waiting_on: Option<Vec<Rank>>,
+    /// The result, once known; the work finishes when every earlier work has.
+    result: Option<WorkResult>,
+    /// Its flight-recorder entry.
+    record: Option<RecordId>,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+enum Health {
+    Healthy,
+    Failed(GroupFailure),
+    Aborted(String),
+}
+
+/// One rank's state machine for one process group. See the [module docs](self) for the
+/// calling contract.
+#[derive(Debug)]
+pub struct GroupState {
+    cfg: GroupConfig,
+    rank: Rank,
+    epoch: Instant,
+    next_work: u64,
+    seq: SeqNo,
+    p2p_seq: SeqNo,
+    works: BTreeMap<WorkId, WorkEntry>,
+    to_launch: VecDeque<WorkId>,
+    running: usize,
+    timers: TimerTable,
+    last_timeout_reason: Option<TimerKind>,
+    recorder: FlightRecorder,
+    lost: BTreeMap<Rank, String>,
+    /// Lost peers that said goodbye: what they sent before leaving may still be received.
+    departed: std::collections::BTreeSet<Rank>,
+    health: Health,
+    transmits: VecDeque<Transmit>,
+    launches: VecDeque<Launch>,
+    events: VecDeque<Event>,
+}
+
+impl GroupState {
+    /// Rank `rank`'s state for the group `cfg` describes; `now` is the group's epoch.
+    ///
+    /// Panics if `rank` is outside the group: that is the caller's bug, not a peer's input.
+    pub fn new(cfg: GroupConfig, rank: Rank, now: Instant) -> Self {
+        assert!(rank.0 < cfg.world_size, "rank {rank} outside world size {}", cfg.world_size);
+        let mut recorder = FlightRecorder::new(cfg.recorder, cfg.wall_epoch_ns);
+        let ranks: Vec<u64> = (0..u64::from(cfg.world_size)).collect();
+        recorder.record_group(u64::from(cfg.group_id.0), &cfg.name, &cfg.desc, &ranks);
+        let mut g = GroupState {
+            recorder,
+            rank,
+            epoch: now,
+            next_work: 1,
+            seq: SeqNo(0),
+            p2p_seq: SeqNo(0),
+            works: BTreeMap::new(),
+            to_launch: VecDeque::new(),
+            running: 0,
+            timers: TimerTable::new(),
+            last_timeout_reason: None,
+            lost: BTreeMap::new(),
+            departed: std::collections::BTreeSet::new(),
+            health: Health::Healthy,
+            transmits: VecDeque::new(),
+            launches: VecDeque::new(),
+            events: VecDeque::new(),
+            cfg,
+        };
+        if let Some(hb) = g.cfg.heartbeat
+            && g.cfg.world_size > 1
+        {
+            g.timers.set(TimerKind::Heartbeat, Duration::ZERO);
+            for peer in g.peers() {
+                g.timers.set(TimerKind::PeerSilence(peer), hb.dead_after);
+            }
+        }
+        g
+    }
+
+    /// The configuration.
+    pub fn config(&self) -> &GroupConfig {
+        &self.cfg
+    }
+
+    /// This rank.
+    pub fn rank(&self) -> Rank {
+        self.rank
+    }
+
+    /// The group's epoch (the `now` given to [`GroupState::new`]).
+    pub fn epoch(&self) -> Instant {
+        self.epoch
+    }
+
+    /// The last collective sequence number handed out (0 before the first).
+    pub fn seq(&self) -> SeqNo {
+        self.seq
+    }
+
+    /// The last point-to-point sequence number handed out.
+    pub fn p2p_seq(&self) -> SeqNo {
+        self.p2p_seq
+    }
+
+    /// The group's first failure, if it failed.
+    pub fn failure(&self) -> Option<&GroupFailure> {
+        match &self.health {
+            Health::Failed(f) => Some(f),
+            _ => None,
+        }
+    }
+
+    /// Whether the group was aborted.
+    pub fn is_aborted(&self) -> bool {
+        matches!(self.health, Health::Aborted(_))
+    }
+
+    /// The state of a work that has not finished yet (`None` once it has: its summary was in
+    /// the [`Event::WorkFinished`]).
+    pub fn work_state(&self, id: WorkId) -> Option<WorkState> {
+        self.works.get(&id).map(|w| w.lifecycle.state())
+    }
+
+    /// Works not yet finished.
+    pub fn in_flight(&self) -> usize {
+        self.works.len()
+    }
+
+    /// Peers declared lost, with the reason.
+    pub fn lost_peers(&self) -> &BTreeMap<Rank, String> {
+        &self.lost
+    }
+
+    /// Submit a work. Checks the arguments and the group's health, assigns the next sequence
+    /// number and a deadline. May queue a [`Launch`].
+    pub fn submit(&mut self, now: Instant, collective: Collective) -> Result<WorkId, SubmitError> {
+        let now = self.since_epoch(now);
+        match &self.health {
+            Health::Healthy => {}
+            Health::Failed(cause) => return Err(SubmitError::GroupFailed { cause: cause.clone() }),
+            Health::Aborted(cause) => return Err(SubmitError::Aborted { cause: cause.clone() }),
+        }
+        collective.validate(self.rank, self.cfg.world_size)?;
+        if let Some(rank) =
+            collective.peers_needed(self.rank, self.cfg.world_size).into_iter().find(|r| self.lost.contains_key(r))
+        {
+            return Err(SubmitError::PeerLost { op: collective.op, rank, reason: self.lost[&rank].clone() });
+        }
+        let is_p2p = collective.op.is_p2p();
+        let seq = if is_p2p {
+            self.p2p_seq.0 += 1;
+            self.p2p_seq
+        } else {
+            self.seq.0 += 1;
+            self.seq
+        };
+        let id = WorkId(self.next_work);
+        self.next_work += 1;
+        let timeout = collective.timeout.unwrap_or(self.cfg.timeout);
+        let record = self.record(now, &collective, seq, timeout);
+        self.timers.set(TimerKind::WorkDeadline(id), now.saturating_add(timeout));
+        self.works.insert(
+            id,
+            WorkEntry {
+                seq,
+                is_p2p,
+                collective,
+                lifecycle: Lifecycle::new(now),
+                timeout,
+                launched: false,
+                waiting_on: None,
+                result: None,
+                record,
+            },
+        );
+        self.to_launch.push_back(id);
+        self.launch_ready();
+        Ok(id)
+    }
+
+    /// The data plane started work `id`. Queues nothing.
+    pub fn handle_started(&mut self, now: Instant, id: WorkId) {
+        let now = self.since_epoch(now);
+        if let Some(w) = self.works.get_mut(&id)
+            && w.launched
+            && w.lifecycle.state() == WorkState::Enqueued
+        {
+            w.lifecycle.start(now).expect("an enqueued work can always start");
+            if let Some(rid) = w.record {
+                self.recorder.handle_started(rid, now);
+            }
+        }
+    }
+
+    /// The data plane says work `id` is waiting for these ranks' parts; a timeout message will
+    /// name them. Queues nothing.
+    pub fn handle_waiting_on(&mut self, _now: Instant, id: WorkId, ranks: Vec<Rank>) {
+        if let Some(w) = self.works.get_mut(&id) {
+            w.waiting_on = Some(ranks);
+        }
+    }
+
+    /// The data plane finished work `id` (ignored unless it was launched and has not ended).
+    /// May queue events (the work and any later ones that
+    /// were waiting for it), launches, and — when a failure fails the group — transmits.
+    pub fn handle_completion(&mut self, now: Instant, id: WorkId, completion: Completion) {
+        let now = self.since_epoch(now);
+        let Some(w) = self.works.get(&id) else { return };
+        // A completion for a finished work, or for one the data plane was never given, is a
+        // stale or bogus input: ignore it.
+        if w.result.is_some() || !w.launched {
+            tracing::debug!(%id, "ignoring a completion for a work that is not running");
+            return;
+        }
+        let (seq, op) = (w.seq, w.collective.op);
+        match completion {
+            Completion::Success => self.set_result(id, WorkResult::Success),
+            Completion::Failed { rank, message } => {
+                self.set_result(id, WorkResult::CommError { rank, message: message.clone() });
+                self.fail_group(
+                    now,
+                    GroupFailure {
+                        origin: self.rank,
+                        culprit: rank,
+                        seq: Some(seq),
+                        message: format!("rank {}: {op} (seq {seq}) failed: {message}", self.rank),
+                    },
+                    true,
+                );
+            }
+        }
+        self.release(now);
+    }
+
+    /// A peer sent a control message. Heartbeats refresh its liveness; an error fails the
+    /// group as a remote error naming the origin; an abort aborts the group.
+    pub fn handle_message(&mut self, now: Instant, from: Rank, msg: ControlMsg) {
+        self.handle_peer_activity(now, from);
+        let t = self.since_epoch(now);
+        match msg {
+            ControlMsg::Heartbeat => {}
+            ControlMsg::Error { culprit, message } => {
+                let failure = GroupFailure { origin: from, culprit: culprit.or(Some(from)), seq: None, message };
+                self.fail_remote(t, failure);
+            }
+            ControlMsg::Abort { reason } => {
+                self.abort(t, format!("rank {from} aborted the group: {reason}"), false);
+            }
+        }
+    }
+
+    /// A remote rank's failure learned some other way (e.g. through the store). Same effect as
+    /// an [`ControlMsg::Error`] from `origin`.
+    pub fn handle_remote_error(&mut self, now: Instant, origin: Rank, culprit: Option<Rank>, message: String) {
+        let t = self.since_epoch(now);
+        self.fail_remote(t, GroupFailure { origin, culprit: culprit.or(Some(origin)), seq: None, message });
+    }
+
+    /// Any bytes from `from` prove it alive. Queues nothing.
+    pub fn handle_peer_activity(&mut self, now: Instant, from: Rank) {
+        let now = self.since_epoch(now);
+        if let Some(hb) = self.cfg.heartbeat
+            && from != self.rank
+            && from.0 < self.cfg.world_size
+            && !self.lost.contains_key(&from)
+        {
+            self.timers.set(TimerKind::PeerSilence(from), now.saturating_add(hb.dead_after));
+        }
+    }
+
+    /// The connection to `rank` is gone (EOF, reset, or the driver gave up on it). Every work
+    /// that needs it fails naming it; may fail the group. May queue events and transmits.
+    pub fn handle_peer_lost(&mut self, now: Instant, rank: Rank, reason: String) {
+        let now = self.since_epoch(now);
+        self.peer_lost(now, rank, reason);
+    }
+
+    /// `rank` left cleanly (it said goodbye: its program finished or shut the group down).
+    /// Nothing fails here: only the data plane knows whether a running work still needs bytes
+    /// from it (everything it sent arrived before its goodbye), and it reports such a work with
+    /// [`GroupState::handle_completion`]. Its silence is no longer watched. Queues
+    /// [`Event::PeerDeparted`].
+    pub fn handle_peer_departed(&mut self, _now: Instant, rank: Rank) {
+        if rank == self.rank || rank.0 >= self.cfg.world_size || self.lost.contains_key(&rank) {
+            return;
+        }
+        if self.departed.insert(rank) {
+            self.timers.cancel(TimerKind::PeerSilence(rank));
+            self.events.push_back(Event::PeerDeparted { rank });
+        }
+    }
+
+    /// Abort the group: every unfinished work ends Aborted and later submits are refused with
+    /// `reason`; peers are told. Queues events and transmits. Aborting twice does nothing.
+    pub fn handle_abort(&mut self, now: Instant, reason: String) {
+        let now = self.since_epoch(now);
+        self.abort(now, reason, true);
+    }
+
+    /// Fire every timer due at `now`: work deadlines (the work ends TimedOut), heartbeats
+    /// (queues a transmit per peer), peer silence (the peer is lost). Calling it early, late
+    /// or repeatedly is harmless: only due timers fire, each once.
+    pub fn handle_timeout(&mut self, now: Instant) {
+        let now = self.since_epoch(now);
+        while let Some((_, kind)) = self.timers.pop_expired(now) {
+            self.last_timeout_reason = Some(kind);
+            match kind {
+                TimerKind::Heartbeat => {
+                    for to in self.peers() {
+                        if !self.lost.contains_key(&to) {
+                            self.transmits.push_back(Transmit { to, msg: ControlMsg::Heartbeat });
+                        }
+                    }
+                    if let (Some(hb), Health::Healthy) = (self.cfg.heartbeat, &self.health) {
+                        self.timers.set(TimerKind::Heartbeat, now.saturating_add(hb.interval));
+                    }
+                }
+                TimerKind::PeerSilence(rank) => {
+                    let dead_after = self.cfg.heartbeat.map(|h| h.dead_after).unwrap_or_default();
+                    self.peer_lost(
+                        now,
+                        rank,
+                        format!("no heartbeat or data from rank {rank} for {} ms", dead_after.as_millis()),
+                    );
+                }
+                TimerKind::WorkDeadline(id) => self.work_timed_out(now, id),
+            }
+        }
+        self.release(now);
+    }
+
+    /// The flight recorder: every work of this group, as the events reported it.
+    pub fn recorder(&self) -> &FlightRecorder {
+        &self.recorder
+    }
+
+    /// The flight recorder's dump (PyTorch's schema 2.10, plus cohort's extras).
+    pub fn dump(&self) -> Dump {
+        self.recorder.dump(DumpMeta::new(self.rank, self.cfg.world_size))
+    }
+
+    /// The earliest time [`GroupState::handle_timeout`] has something to do.
+    pub fn poll_timeout(&self) -> Option<Instant> {
+        self.timers.earliest().map(|(at, _)| self.epoch + at)
+    }
+
+    /// Why the last [`GroupState::handle_timeout`] fired (debugging a group that keeps waking).
+    pub fn last_timeout_reason(&self) -> Option<TimerKind> {
+        self.last_timeout_reason
+    }
+
+    /// Next control message for a peer. Drain after every input.
+    pub fn poll_transmit(&mut self) -> Option<Transmit> {
+        self.transmits.pop_front()
+    }
+
+    /// Next work the data plane may start, in issue order. Drain after every input; call
+    /// [`GroupState::handle_started`] when it starts.
+    pub fn poll_launch(&mut self) -> Option<Launch> {
+        self.launches.pop_front()
+    }
+
+    /// Next user-facing event. Drain after every input.
+    pub fn poll_event(&mut self) -> Option<Event> {
+        self.events.pop_front()
+    }
+
+    // ---- helpers ----
+
+    fn since_epoch(&self, now: Instant) -> Duration {
+        now.saturating_duration_since(self.epoch)
+    }
+
+    fn peers(&self) -> Vec<Rank> {
+        (0..self.cfg.world_size).map(Rank).filter(|&r| r != self.rank).collect()
+    }
+
+    fn record(&mut self, now: Duration, c: &Collective, seq: SeqNo, timeout: Duration) -> Option<RecordId> {
+        if !self.recorder.is_enabled() {
+            return None;
+        }
+        let profiling_name = match (c.op, c.peer) {
+            (OpType::Send, Some(p)) => format!("{}:send {}->{p}", self.cfg.backend, self.rank),
+            (OpType::Recv, Some(p)) => format!("{}:recv {}<-{p}", self.cfg.backend, self.rank),
+            (op, _) => format!("{}:{}", self.cfg.backend, op.name()),
+        };
+        let is_p2p = c.op.is_p2p();
+        let outputs = if c.outputs.is_empty() { &c.inputs } else { &c.outputs };
+        self.recorder.record(
+            now,
+            &RecordRequest {
+                pg_id: u64::from(self.cfg.group_id.0),
+                pg_name: &self.cfg.name,
+                pg_desc: &self.cfg.desc,
+                collective_seq_id: if is_p2p { self.seq.0 } else { seq.0 },
+                p2p_seq_id: if is_p2p { seq.0 } else { self.p2p_seq.0 },
+                op_id: self.next_work - 1,
+                profiling_name: &profiling_name,
+                inputs: &c.inputs,
+                outputs,
+                timeout,
+                is_p2p,
+            },
+        )
+    }
+
+    fn launch_ready(&mut self) {
+        while self.running < self.cfg.max_in_flight.max(1) {
+            let Some(id) = self.to_launch.pop_front() else { break };
+            let Some(w) = self.works.get_mut(&id) else { continue };
+            if w.result.is_some() {
+                continue;
+            }
+            w.launched = true;
+            self.running += 1;
+            self.launches.push_back(Launch { id, seq: w.seq, is_p2p: w.is_p2p, collective: w.collective.clone() });
+        }
+    }
+
+    /// Record a work's result (once); it finishes in [`GroupState::release`].
+    fn set_result(&mut self, id: WorkId, result: WorkResult) {
+        let Some(w) = self.works.get_mut(&id) else { return };
+        if w.result.is_some() {
+            return;
+        }
+        w.result = Some(result);
+        self.timers.cancel(TimerKind::WorkDeadline(id));
+        if w.launched {
+            self.running -= 1;
+        }
+    }
+
+    /// Finish works in issue order: the oldest unfinished work with a result, repeatedly.
+    fn release(&mut self, now: Duration) {
+        while let Some(mut entry) = self.works.first_entry() {
+            let Some(result) = entry.get_mut().result.take() else { break };
+            let id = *entry.key();
+            let w = entry.remove();
+            let mut lifecycle = w.lifecycle;
+            let state = result.terminal_state();
+            let finished: Result<(), IllegalTransition> = lifecycle.finish(now, state);
+            finished.expect("a work is finished once, when it leaves the table");
+            if let Some(rid) = w.record {
+                self.recorder.handle_finished(rid, now, &result);
+            }
+            self.events.push_back(Event::WorkFinished(WorkSummary {
+                id,
+                seq: w.seq,
+                is_p2p: w.is_p2p,
+                op: w.collective.op,
+                result,
+                lifecycle,
+            }));
+        }
+        self.launch_ready();
+    }
+
+    fn work_timed_out(&mut self, now: Duration, id: WorkId) {
+        let Some(w) = self.works.get(&id) else { return };
+        if w.result.is_some() {
+            return;
+        }
+        let cx = TimeoutContext {
+            op: w.collective.op,
+            seq: w.seq,
+            numel_in: w.collective.numel_in(),
+            numel_out: w.collective.numel_out(),
+            timeout: w.timeout,
+            elapsed: now.saturating_sub(w.lifecycle.enqueued_at()),
+            started: w.lifecycle.state() == WorkState::Started,
+            waiting_on: w.waiting_on.clone(),
+        };
+        let culprit = match cx.waiting_on.as_deref() {
+            Some([one]) => Some(*one),
+            _ => None,
+        };
+        let message = timeout_message(self.rank, &cx);
+        self.set_result(id, WorkResult::Timeout { message: message.clone() });
+        self.fail_group(now, GroupFailure { origin: self.rank, culprit, seq: Some(cx.seq), message }, true);
+    }
+
+    fn peer_lost(&mut self, now: Duration, rank: Rank, reason: String) {
+        if rank == self.rank || rank.0 >= self.cfg.world_size || self.lost.contains_key(&rank) {
+            return;
+        }
+        self.lost.insert(rank, reason.clone());
+        self.timers.cancel(TimerKind::PeerSilence(rank));
+        self.events.push_back(Event::PeerLost { rank, reason: reason.clone() });
+        let me = self.rank;
+        let world = self.cfg.world_size;
+        let dependent: Vec<(WorkId, SeqNo, OpType)> = self
+            .works
+            .iter()
+            .filter(|(_, w)| w.result.is_none() && w.collective.peers_needed(me, world).contains(&rank))
+            .map(|(&id, w)| (id, w.seq, w.collective.op))
+            .collect();
+        let first = dependent.first().map(|&(_, seq, op)| (seq, op));
+        for (id, seq, op) in dependent {
+            self.set_result(
+                id,
+                WorkResult::CommError {
+                    rank: Some(rank),
+                    message: format!("rank {me}: {op} (seq {seq}) failed: connection to rank {rank} lost: {reason}"),
+                },
+            );
+        }
+        let message = match first {
+            Some((seq, op)) => format!("rank {me}: {op} (seq {seq}) failed: connection to rank {rank} lost: {reason}"),
+            None => format!("rank {me}: connection to rank {rank} lost: {reason}"),
+        };
+        self.fail_group(
+            now,
+            GroupFailure { origin: me, culprit: Some(rank), seq: first.map(|(s, _)| s), message },
+            true,
+        );
+        self.release(now);
+    }
+
+    fn fail_remote(&mut self, now: Duration, failure: GroupFailure) {
+        if self.health != Health::Healthy {
+            return;
+        }
+        let me = self.rank;
+        let world = self.cfg.world_size;
+        let origin = failure.origin;
+        let dependent: Vec<WorkId> = self
+            .works
+            .iter()
+            .filter(|(_, w)| {
+                w.result.is_none()
+                    && (self.cfg.error_handling.fails_group() || w.collective.peers_needed(me, world).contains(&origin))
+            })
+            .map(|(&id, _)| id)
+            .collect();
+        for id in dependent {
+            self.set_result(
+                id,
+                WorkResult::RemoteError { rank: origin, culprit: failure.culprit, message: failure.message.clone() },
+            );
+        }
+        self.fail_group(now, failure, false);
+        self.release(now);
+    }
+
+    /// Apply the error-handling mode to the group's first failure. `local` failures are told
+    /// to peers; remote ones are not echoed back.
+    fn fail_group(&mut self, now: Duration, failure: GroupFailure, local: bool) {
+        if !self.cfg.error_handling.fails_group() || self.health != Health::Healthy {
+            return;
+        }
+        let remaining: Vec<(WorkId, SeqNo, OpType)> = self
+            .works
+            .iter()
+            .filter(|(_, w)| w.result.is_none())
+            .map(|(&id, w)| (id, w.seq, w.collective.op))
+            .collect();
+        for (id, seq, op) in remaining {
+            let message = format!("{op} (seq {seq}) cannot complete: {}", failure.message);
+            let result = if local {
+                WorkResult::CommError { rank: failure.culprit, message }
+            } else {
+                WorkResult::RemoteError { rank: failure.origin, culprit: failure.culprit, message }
+            };
+            self.set_result(id, result);
+        }
+        // Tell every peer still reachable, also when this rank only learned of the failure:
+        // a rank that closes its links after a remote failure would otherwise look, to a peer
+        // that has not heard yet, like the rank that failed. The culprit travels along.
+        {
+            for to in self.peers() {
+                if !self.lost.contains_key(&to) && (local || to != failure.origin) {
+                    self.transmits.push_back(Transmit {
+                        to,
+                        msg: ControlMsg::Error { culprit: failure.culprit, message: failure.message.clone() },
+                    });
+                }
+            }
+        }
+        self.stop_timers();
+        self.health = Health::Failed(failure.clone());
+        // The works' own events come first, then what happened to the group.
+        self.release(now);
+        self.events.push_back(Event::GroupFailed(failure.clone()));
+        if self.cfg.error_handling.tears_down() {
+            self.events.push_back(Event::TearDown { cause: failure.message });
+        }
+    }
+
+    fn abort(&mut self, now: Duration, reason: String, tell_peers: bool) {
+        if matches!(self.health, Health::Aborted(_)) {
+            return;
+        }
+        let open: Vec<WorkId> = self.works.iter().filter(|(_, w)| w.result.is_none()).map(|(&id, _)| id).collect();
+        for id in open {
+            self.set_result(id, WorkResult::Aborted { reason: reason.clone() });
+        }
+        if tell_peers {
+            for to in self.peers() {
+                if !self.lost.contains_key(&to) {
+                    self.transmits.push_back(Transmit { to, msg: ControlMsg::Abort { reason: reason.clone() } });
+                }
+            }
+        }
+        self.stop_timers();
+        self.health = Health::Aborted(reason.clone());
+        self.release(now);
+        self.events.push_back(Event::GroupAborted { reason });
+    }
+
+    /// After a failure or an abort nothing is left to time: heartbeats and silence checks stop.
+    fn stop_timers(&mut self) {
+        self.timers.cancel(TimerKind::Heartbeat);
+        for peer in self.peers() {
+            self.timers.cancel(TimerKind::PeerSilence(peer));
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn allreduce(n: usize) -> Collective {
+        Collective::new(OpType::Allreduce).inputs(vec![TensorSpec::new(DType::F32, &[n])])
+    }
+
+    fn group(world: u32, rank: u32, mode: ErrorHandling) -> (GroupState, Instant) {
+        let mut cfg = GroupConfig::new(world);
+        cfg.error_handling = mode;
+        cfg.heartbeat = None;
+        cfg.timeout = Duration::from_secs(10);
+        #[allow(clippy::disallowed_methods)] // the tests' one epoch
+        let t0 = Instant::now();
+        (GroupState::new(cfg, Rank(rank), t0), t0)
+    }
+
+    fn drain_events(g: &mut GroupState) -> Vec<Event> {
+        std::iter::from_fn(|| g.poll_event()).collect()
+    }
+
+    fn finished(events: &[Event]) -> Vec<(WorkId, WorkState)> {
+        events
+            .iter()
+            .filter_map(|e| match e {
+                Event::WorkFinished(s) => Some((s.id, s.lifecycle.state())),
+                _ => None,
+            })
+            .collect()
+    }
+
+    #[test]
+    fn works_launch_and_finish_in_issue_order() {
+        let (mut g, t0) = group(2, 0, ErrorHandling::CleanUpOnly);
+        let a = g.submit(t0, allreduce(4)).unwrap();
+        let b = g.submit(t0, allreduce(4)).unwrap();
+        let launches: Vec<_> = std::iter::from_fn(|| g.poll_launch()).collect();
+        assert_eq!(launches.iter().map(|l| (l.id, l.seq)).collect::<Vec<_>>(), vec![(a, SeqNo(1)), (b, SeqNo(2))]);
+        g.handle_started(t0, a);
+        g.handle_started(t0, b);
+        g.handle_completion(t0 + Duration::from_millis(5), b, Completion::Success);
+        assert!(drain_events(&mut g).is_empty(), "b must wait for a");
+        g.handle_completion(t0 + Duration::from_millis(7), a, Completion::Success);
+        assert_eq!(finished(&drain_events(&mut g)), vec![(a, WorkState::Completed), (b, WorkState::Completed)]);
+        assert_eq!(g.in_flight(), 0);
+    }
+
+    #[test]
+    fn max_in_flight_holds_later_launches() {
+        let (mut g, t0) = group(2, 1, ErrorHandling::CleanUpOnly);
+        g.cfg.max_in_flight = 1;
+        let a = g.submit(t0, allreduce(1)).unwrap();
+        let b = g.submit(t0, allreduce(1)).unwrap();
+        assert_eq!(g.poll_launch().map(|l| l.id), Some(a));
+        assert_eq!(g.poll_launch(), None);
+        g.handle_completion(t0, a, Completion::Success);
+        assert_eq!(g.poll_launch().map(|l| l.id), Some(b));
+    }
+
+    #[test]
+    fn timeout_names_op_seq_and_missing_ranks_then_refuses_later_submits() {
+        let (mut g, t0) = group(4, 0, ErrorHandling::CleanUpOnly);
+        let a = g.submit(t0, allreduce(1024)).unwrap();
+        g.poll_launch();
+        g.handle_started(t0, a);
+        g.handle_waiting_on(t0, a, vec![Rank(2)]);
+        assert_eq!(g.poll_timeout(), Some(t0 + Duration::from_secs(10)));
+        g.handle_timeout(t0 + Duration::from_secs(9));
+        assert!(drain_events(&mut g).is_empty());
+        g.handle_timeout(t0 + Duration::from_secs(10));
+        let events = drain_events(&mut g);
+        let Event::WorkFinished(s) = &events[0] else { panic!("{events:?}") };
+        assert_eq!(s.lifecycle.state(), WorkState::TimedOut);
+        let text = s.result.to_string();
+        assert!(text.contains("all_reduce (seq 1, numel in 1024"), "{text}");
+        assert!(text.contains("still waiting for rank(s) [2]"), "{text}");
+        assert!(matches!(&events[1], Event::GroupFailed(f) if f.culprit == Some(Rank(2))));
+        // Peers are told, and the next submit is refused with the original cause.
+        let told: Vec<_> = std::iter::from_fn(|| g.poll_transmit()).map(|t| t.to).collect();
+        assert_eq!(told, vec![Rank(1), Rank(2), Rank(3)]);
+        let err = g.submit(t0 + Duration::from_secs(11), allreduce(1)).unwrap_err();
+        assert!(err.to_string().contains("still waiting for rank(s) [2]"), "{err}");
+        g.handle_timeout(t0 + Duration::from_secs(100));
+        assert!(drain_events(&mut g).is_empty(), "a repeated timeout does nothing");
+    }
+
+    #[test]
+    fn peer_lost_fails_dependent_works_naming_the_rank() {
+        let (mut g, t0) = group(3, 0, ErrorHandling::NoHandling);
+        let send_to_1 = g
+            .submit(t0, Collective::new(OpType::Send).inputs(vec![TensorSpec::new(DType::U8, &[3])]).peer(Rank(1), 7))
+            .unwrap();
+        let send_to_2 = g
+            .submit(t0, Collective::new(OpType::Send).inputs(vec![TensorSpec::new(DType::U8, &[3])]).peer(Rank(2), 7))
+            .unwrap();
+        g.handle_peer_lost(t0, Rank(2), "EOF".into());
+        let events = drain_events(&mut g);
+        assert!(matches!(&events[0], Event::PeerLost { rank: Rank(2), .. }));
+        // send_to_2 failed, but it finishes only after send_to_1 (issue order).
+        assert_eq!(finished(&events), vec![]);
+        g.handle_completion(t0, send_to_1, Completion::Success);
+        let events = drain_events(&mut g);
+        assert_eq!(finished(&events), vec![(send_to_1, WorkState::Completed), (send_to_2, WorkState::Failed)]);
+        let Event::WorkFinished(s) = &events[1] else { unreachable!() };
+        assert_eq!(s.result.culprit(), Some(Rank(2)));
+        assert!(s.result.to_string().contains("connection to rank 2 lost: EOF"));
+        // NoHandling: the group goes on, but nothing that needs rank 2 is accepted.
+        assert!(g.failure().is_none());
+        assert!(matches!(g.submit(t0, allreduce(1)), Err(SubmitError::PeerLost { rank: Rank(2), .. })));
+        g.submit(t0, Collective::new(OpType::Recv).inputs(vec![TensorSpec::new(DType::U8, &[1])]).peer(Rank(1), 0))
+            .unwrap();
+    }
+
+    #[test]
+    fn a_clean_departure_fails_nothing_by_itself() {
+        let (mut g, t0) = group(3, 0, ErrorHandling::CleanUpOnly);
+        let id = g.submit(t0, allreduce(1)).unwrap();
+        g.handle_peer_departed(t0, Rank(2));
+        assert_eq!(drain_events(&mut g), vec![Event::PeerDeparted { rank: Rank(2) }]);
+        assert!(g.failure().is_none());
+        // The data plane decides: this work had everything from rank 2 and completes.
+        g.poll_launch();
+        g.handle_completion(t0, id, Completion::Success);
+        assert_eq!(finished(&drain_events(&mut g)), vec![(id, WorkState::Completed)]);
+        // A departed peer that later drops is not "lost" again.
+        g.handle_peer_departed(t0, Rank(2));
+        assert!(drain_events(&mut g).is_empty());
+    }
+
+    #[test]
+    fn abort_ends_every_work_aborted_and_refuses_later_submits() {
+        let (mut g, t0) = group(2, 0, ErrorHandling::CleanUpOnly);
+        let a = g.submit(t0, allreduce(1)).unwrap();
+        let b = g.submit(t0, allreduce(1)).unwrap();
+        g.handle_abort(t0, "user asked".into());
+        let events = drain_events(&mut g);
+        assert_eq!(finished(&events), vec![(a, WorkState::Aborted), (b, WorkState::Aborted)]);
+        assert!(matches!(g.poll_transmit(), Some(Transmit { to: Rank(1), msg: ControlMsg::Abort { .. } })));
+        assert_eq!(g.submit(t0, allreduce(1)), Err(SubmitError::Aborted { cause: "user asked".into() }));
+        g.handle_abort(t0, "again".into());
+        assert!(drain_events(&mut g).is_empty());
+    }
+
+    #[test]
+    fn remote_error_names_the_origin_and_is_relayed_to_the_others_but_not_echoed() {
+        let (mut g, t0) = group(4, 1, ErrorHandling::TearDown);
+        let a = g.submit(t0, allreduce(1)).unwrap();
+        g.handle_message(
+            t0,
+            Rank(3),
+            ControlMsg::Error { culprit: Some(Rank(2)), message: "rank 3: connection to rank 2 lost: EOF".into() },
+        );
+        let events = drain_events(&mut g);
+        let Event::WorkFinished(s) = &events[0] else { panic!() };
+        assert_eq!(s.id, a);
+        // The origin is rank 3; the rank it blamed is the culprit.
+        assert!(matches!(s.result, WorkResult::RemoteError { rank: Rank(3), culprit: Some(Rank(2)), .. }));
+        assert_eq!(s.result.culprit(), Some(Rank(2)));
+        assert!(matches!(&events[1], Event::GroupFailed(f) if f.origin == Rank(3) && f.culprit == Some(Rank(2))));
+        assert!(matches!(&events[2], Event::TearDown { .. }));
+        // Relayed with its culprit to every peer but the origin.
+        let mut relayed = Vec::new();
+        while let Some(t) = g.poll_transmit() {
+            assert!(matches!(&t.msg, ControlMsg::Error { culprit: Some(Rank(2)), .. }), "{t:?}");
+            relayed.push(t.to);
+        }
+        assert_eq!(relayed, vec![Rank(0), Rank(2)]);
+    }
+
+    #[test]
+    fn heartbeats_are_sent_and_silence_loses_the_peer() {
+        let mut cfg = GroupConfig::new(3);
+        cfg.heartbeat =
+            Some(HeartbeatConfig { interval: Duration::from_millis(100), dead_after: Duration::from_millis(350) });
+        #[allow(clippy::disallowed_methods)] // the test's one epoch
+        let t0 = Instant::now();
+        let mut g = GroupState::new(cfg, Rank(0), t0);
+        let ms = |m| t0 + Duration::from_millis(m);
+        g.handle_timeout(ms(0));
+        assert_eq!(std::iter::from_fn(|| g.poll_transmit()).count(), 2);
+        for t in [100, 200, 300] {
+            g.handle_timeout(ms(t));
+            g.handle_peer_activity(ms(t), Rank(1));
+        }
+        assert_eq!(std::iter::from_fn(|| g.poll_transmit()).count(), 6);
+        g.handle_timeout(ms(360));
+        let events = drain_events(&mut g);
+        assert!(
+            matches!(&events[0], Event::PeerLost { rank: Rank(2), reason } if reason.contains("350 ms")),
+            "{events:?}"
+        );
+        assert!(matches!(&events[1], Event::GroupFailed(f) if f.culprit == Some(Rank(2))));
+        assert_eq!(g.last_timeout_reason(), Some(TimerKind::PeerSilence(Rank(2))));
+    }
+
+    #[test]
+    fn arguments_are_checked_before_anything_is_sent() {
+        let (mut g, t0) = group(4, 0, ErrorHandling::CleanUpOnly);
+        let bcast = Collective::new(OpType::Broadcast).inputs(vec![TensorSpec::new(DType::F32, &[2])]).root(Rank(4));
+        assert_eq!(
+            g.submit(t0, bcast).unwrap_err().to_string(),
+            "broadcast: invalid root rank 4: the group has world size 4"
+        );
+        let empty = Collective::new(OpType::Allreduce);
+        assert_eq!(
+            g.submit(t0, empty).unwrap_err().to_string(),
+            "all_reduce: invalid argument tensors: requires at least one tensor"
+        );
+        let gather = Collective::new(OpType::Allgather)
+            .inputs(vec![TensorSpec::new(DType::F32, &[2])])
+            .outputs(vec![TensorSpec::new(DType::F32, &[2]); 3]);
+        assert_eq!(
+            g.submit(t0, gather).unwrap_err().to_string(),
+            "all_gather: invalid argument output_tensor_list: expected 4 tensors (one per rank), got 3"
+        );
+        let mixed = Collective::new(OpType::Allreduce)
+            .inputs(vec![TensorSpec::new(DType::F32, &[2]), TensorSpec::new(DType::F64, &[2])]);
+        assert!(g.submit(t0, mixed).unwrap_err().to_string().contains("tensor 1 has dtype float64"));
+        let to_self = Collective::new(OpType::Send).inputs(vec![TensorSpec::new(DType::F32, &[2])]).peer(Rank(0), 0);
+        assert!(g.submit(t0, to_self).is_err());
+        let splits = Collective {
+            splits: Some((vec![1, 1, 1, 1], vec![1, 1, 1])),
+            ..Collective::new(OpType::AlltoallBase)
+                .inputs(vec![TensorSpec::new(DType::F32, &[4])])
+                .outputs(vec![TensorSpec::new(DType::F32, &[4])])
+        };
+        assert_eq!(
+            g.submit(t0, splits).unwrap_err().to_string(),
+            "all_to_all_single: invalid argument output_split_sizes: expected 4 split sizes (one per rank), got 3"
+        );
+        assert_eq!(g.seq(), SeqNo(0), "refused submits take no sequence number");
+    }
+}

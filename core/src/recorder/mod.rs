@@ -1,0 +1,616 @@
+//! The flight recorder: the last N collectives of every process group on this rank, for
+//! post-mortem analysis of hangs (PyTorch's c10d `FlightRecorder`).
+//!
+//! A [`FlightRecorder`] is a bounded ring of entries. Each collective or point-to-point op is
+//! [`record`](FlightRecorder::record)ed when it is enqueued, which hands back a [`RecordId`];
+//! the owner then reports its transitions with that id. When the ring is full, recording
+//! overwrites the oldest entry; a transition on an overwritten entry is a silent no-op, as in
+//! torch. [`dump`](FlightRecorder::dump) returns the whole state as a [`Dump`]: PyTorch's
+//! flight-recorder JSON schema, version `"2.10"`, readable by torch's analyzer and by ours.
+//!
+//! # Calling contract
+//!
+//! 1. [`record_group`](FlightRecorder::record_group) once per process group this rank belongs
+//!    to (fills `pg_config`; torch's `record_pg_ranks`).
+//! 2. [`record`](FlightRecorder::record) when a work is enqueued: `Some(id)`, or `None` when the
+//!    recorder is off (capacity 0).
+//! 3. [`handle_started`](FlightRecorder::handle_started) when the work starts running.
+//! 4. Exactly one terminal report: [`handle_completed`](FlightRecorder::handle_completed), or
+//!    [`handle_finished`](FlightRecorder::handle_finished) with the work's [`WorkResult`].
+//! 5. [`dump`](FlightRecorder::dump) at any time; [`reset`](FlightRecorder::reset) to begin a
+//!    new epoch (torch's `reset_all`).
+//!
+//! Transitions take the record's id first, then `now`. Repeated or out-of-order transitions
+//! (start after completion, a second terminal report) change nothing. Nothing here panics on
+//! caller input.
+//!
+//! # Time
+//!
+//! Core reads no clock: every input takes `now`, the monotonic time since the group epoch, and
+//! the constructor takes `wall_epoch_ns`, the Unix time in ns at that epoch. Wall times in the
+//! dump are `wall_epoch_ns + now`.
+//!
+//! # How torch's fields are kept
+//!
+//! - `state` is torch's: `scheduled` until started, `started` until completed, `completed`.
+//!   A work that fails, times out or is aborted keeps the `state` it had (torch cannot say
+//!   more); its real outcome and error text are in the extra `cohort_state`, `cohort_error`
+//!   and `cohort_time_finished_ns` fields, which torch's readers ignore.
+//! - `retired` becomes true when the work reaches any terminal state. torch's watchdog calls
+//!   `retire_id` when it sees a work complete, and a work it drops without completion is "a
+//!   retired but not completed event" (timed out); cohort's core sees both at the terminal
+//!   transition, so retiring is part of it rather than a separate call.
+//! - `duration_ms` is set on completion when [`RecorderConfig::timing`] is on and the work was
+//!   seen to start (torch: `TORCH_NCCL_ENABLE_TIMING`).
+//! - `pg_status` follows collectives only (`is_p2p == false`): `last_enqueued_collective` is
+//!   set on record and `last_completed_collective` on completion (assigned, as torch's
+//!   `ProcessGroupNCCL` does), `last_started_collective` on start (only ever raised, as torch).
+//!   All three start at `-1`.
+//! - `record_id` counts every record since the last reset (torch's `id_`), so it keeps
+//!   counting when the ring wraps.
+//!
+//! # Reset epochs
+//!
+//! torch 2.10 soft-deletes on `reset_all` (used when a communicator is reset): it bumps
+//! `reset_epoch_`, restarts `id_` at 0, and dumps only entries of the current epoch; a
+//! `retire_id` with an older epoch finds no live entry. [`reset`](FlightRecorder::reset) does
+//! the same: ids from before the reset become no-ops, the dump's `record_id`s restart at 0,
+//! and earlier entries vanish from dumps (their slots are reused as the ring turns). Like
+//! torch, a reset before anything was ever recorded does nothing. Unlike torch, it also puts
+//! every group's `pg_status` back to `-1`, since the entries those numbers pointed at are gone;
+//! `pg_config` is kept.
+
+mod dump;
+
+use std::collections::{BTreeMap, HashMap};
+use std::fmt;
+use std::time::Duration;
+
+pub use self::dump::{DUMP_VERSION, Dump, DumpEntry, DumpError, EntryState, Frame, PgConfig, PgStatus};
+use crate::tensor::{DType, Tensor};
+use crate::work::{Rank, WorkResult, WorkState};
+
+/// torch's default ring size (`TORCH_FR_BUFFER_SIZE`, formerly `TORCH_NCCL_TRACE_BUFFER_SIZE`).
+pub const DEFAULT_CAPACITY: usize = 2000;
+
+/// How a [`FlightRecorder`] is set up.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct RecorderConfig {
+    /// Number of entries kept; 0 turns the recorder off (every call is a no-op).
+    pub capacity: usize,
+    /// Whether completions set `duration_ms` (torch: `TORCH_NCCL_ENABLE_TIMING`, off by default).
+    pub timing: bool,
+}
+
+impl RecorderConfig {
+    /// `capacity` entries (0: off), timing off.
+    pub fn new(capacity: usize) -> Self {
+        RecorderConfig { capacity, timing: false }
+    }
+}
+
+impl Default for RecorderConfig {
+    fn default() -> Self {
+        RecorderConfig { capacity: DEFAULT_CAPACITY, timing: false }
+    }
+}
+
+/// A handle on a recorded entry, for its later transitions (torch's `TraceIdentifier`).
+///
+/// It names one record for the life of the recorder: once the entry has been overwritten, or a
+/// [`reset`](FlightRecorder::reset) has begun a new epoch, transitions with it do nothing.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct RecordId(u64);
+
+impl fmt::Display for RecordId {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "record#{}", self.0)
+    }
+}
+
+/// Anything with a dtype and a shape: what a [`RecordRequest`] lists as inputs and outputs.
+/// Implemented for [`Tensor`] and [`TensorMeta`]; argument specs elsewhere can implement it too.
+pub trait TensorShape {
+    /// Element type.
+    fn dtype(&self) -> DType;
+    /// Shape.
+    fn shape(&self) -> &[usize];
+}
+
+impl TensorShape for Tensor {
+    fn dtype(&self) -> DType {
+        Tensor::dtype(self)
+    }
+
+    fn shape(&self) -> &[usize] {
+        Tensor::shape(self)
+    }
+}
+
+/// A tensor's dtype and shape, for a [`RecordRequest`] made without the tensor at hand.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct TensorMeta<'a> {
+    /// Element type.
+    pub dtype: DType,
+    /// Shape.
+    pub shape: &'a [usize],
+}
+
+impl TensorShape for TensorMeta<'_> {
+    fn dtype(&self) -> DType {
+        self.dtype
+    }
+
+    fn shape(&self) -> &[usize] {
+        self.shape
+    }
+}
+
+impl<'a> From<&'a Tensor> for TensorMeta<'a> {
+    fn from(t: &'a Tensor) -> Self {
+        TensorMeta { dtype: t.dtype(), shape: t.shape() }
+    }
+}
+
+/// What [`FlightRecorder::record`] records: torch's `record(...)` arguments. Borrowed, so that
+/// recording copies numbers only (names are interned, sizes go into reused buffers).
+#[derive(Debug)]
+pub struct RecordRequest<'a, T = TensorMeta<'a>> {
+    /// The group's uid (torch's `pg_id`, `ProcessGroupNCCL::uid_`).
+    pub pg_id: u64,
+    /// The group's name (the first of torch's `process_group` pair).
+    pub pg_name: &'a str,
+    /// The group's description (the second of the pair; torch uses `"undefined"` when unset).
+    pub pg_desc: &'a str,
+    /// Collective sequence number in the group.
+    pub collective_seq_id: u64,
+    /// Point-to-point sequence number in the group.
+    pub p2p_seq_id: u64,
+    /// Logical op number (one per op inside a coalesced group).
+    pub op_id: u64,
+    /// `backend:op`, built from the backend name and [`OpType::name`](crate::work::OpType::name),
+    /// e.g. `gloo:all_reduce`; torch's analyzer expects `nccl:send 0->1` / `nccl:recv 1<-0`
+    /// (group ranks) for point-to-point ops.
+    pub profiling_name: &'a str,
+    /// Input tensors (their dtypes and shapes).
+    pub inputs: &'a [T],
+    /// Output tensors.
+    pub outputs: &'a [T],
+    /// The work's timeout.
+    pub timeout: Duration,
+    /// Whether it is a point-to-point op.
+    pub is_p2p: bool,
+}
+
+impl<T> Clone for RecordRequest<'_, T> {
+    fn clone(&self) -> Self {
+        *self
+    }
+}
+
+impl<T> Copy for RecordRequest<'_, T> {}
+
+/// Who is dumping, and what to include: the arguments of [`FlightRecorder::dump`].
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct DumpMeta {
+    /// The rank writing the dump (cohort extra `rank`).
+    pub rank: Rank,
+    /// Its world size (cohort extra `world_size`).
+    pub world_size: u32,
+    /// The communication library's version (`comm_lib_version`).
+    pub comm_lib_version: String,
+    /// Leave out completed entries (torch's `onlyActive` / `TORCH_INCLUDE_ONLY_ACTIVE`).
+    pub only_active: bool,
+}
+
+impl DumpMeta {
+    /// A dump of every entry by `rank` of `world_size`, with no library version.
+    pub fn new(rank: Rank, world_size: u32) -> Self {
+        DumpMeta { rank, world_size, comm_lib_version: String::new(), only_active: false }
+    }
+}
+
+/// The flight recorder of one rank: a bounded ring of entries over all its process groups.
+/// See the [module docs](self) for the calling contract.
+#[derive(Debug)]
+pub struct FlightRecorder {
+    config: RecorderConfig,
+    wall_epoch_ns: u64,
+    /// Entry `n` (counting every record ever made) lives at `slots[n % capacity]`.
+    slots: Vec<Slot>,
+    /// Number of records ever made.
+    recorded: u64,
+    /// Current reset epoch, and the value of `recorded` when it began.
+    epoch: u64,
+    epoch_start: u64,
+    reset_at: Option<Duration>,
+    /// Interned `(pg_id, name, desc)` triples that entries point at.
+    groups: Vec<GroupKey>,
+    /// `pg_status`, by pg id.
+    statuses: BTreeMap<u64, PgStatus>,
+    /// `pg_config`: name → (desc, ranks).
+    pg_config: BTreeMap<Box<str>, (Box<str>, Vec<u64>)>,
+    /// Interned profiling names. Grows with the number of distinct names (ops × backends, and
+    /// peers for point-to-point ops), never with the number of records.
+    names: Vec<Box<str>>,
+    name_index: HashMap<Box<str>, u32>,
+}
+
+#[derive(Debug)]
+struct GroupKey {
+    pg_id: u64,
+    name: Box<str>,
+    desc: Box<str>,
+}
+
+/// One ring entry. Its vectors keep their capacity when the slot is reused, so recording into
+/// a full ring does not allocate.
+#[derive(Debug)]
+struct Slot {
+    /// Which record this is (counting every record ever made).
+    seq: u64,
+    group: u32,
+    name: u32,
+    collective_seq_id: u64,
+    p2p_seq_id: u64,
+    op_id: u64,
+    is_p2p: bool,
+    timeout: Duration,
+    created: Duration,
+    started: Option<Duration>,
+    completed: Option<Duration>,
+    finished: Option<Duration>,
+    duration: Option<Duration>,
+    state: WorkState,
+    error: Option<Box<str>>,
+    /// Number of dims of each input, then of each output; their sizes, flattened, in `dims`.
+    ranks: Vec<u32>,
+    dims: Vec<u64>,
+    dtypes: Vec<DType>,
+    inputs: u32,
+}
+
+impl FlightRecorder {
+    /// A recorder keeping `config.capacity` entries (0: off), whose group epoch is
+    /// `wall_epoch_ns` nanoseconds after the Unix epoch. Allocates nothing up front.
+    pub fn new(config: RecorderConfig, wall_epoch_ns: u64) -> Self {
+        FlightRecorder {
+            config,
+            wall_epoch_ns,
+            slots: Vec::new(),
+            recorded: 0,
+            epoch: 0,
+            epoch_start: 0,
+            reset_at: None,
+            groups: Vec::new(),
+            statuses: BTreeMap::new(),
+            pg_config: BTreeMap::new(),
+            names: Vec::new(),
+            name_index: HashMap::new(),
+        }
+    }
+
+    /// Whether the recorder records (capacity > 0).
+    pub fn is_enabled(&self) -> bool {
+        self.config.capacity > 0
+    }
+
+    /// The configuration.
+    pub fn config(&self) -> RecorderConfig {
+        self.config
+    }
+
+    /// Number of entries of the current epoch still in the ring.
+    pub fn len(&self) -> usize {
+        let live = self.recorded - self.epoch_start;
+        usize::try_from(live).map_or(self.slots.len(), |live| live.min(self.slots.len()))
+    }
+
+    /// Whether the current epoch has no entries in the ring.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// The current reset epoch (0 until the first effective [`reset`](Self::reset)).
+    pub fn reset_epoch(&self) -> u64 {
+        self.epoch
+    }
+
+    /// Declare a process group: its `pg_config` entry (by name: a later call for the same name
+    /// replaces it) and, for `pg_id`, a `pg_status` at `-1` if it has none yet. torch's
+    /// `record_pg_ranks`. No-op when the recorder is off.
+    pub fn record_group(&mut self, pg_id: u64, name: &str, desc: &str, ranks: &[u64]) {
+        if !self.is_enabled() {
+            return;
+        }
+        self.pg_config.insert(name.into(), (desc.into(), ranks.to_vec()));
+        self.statuses.entry(pg_id).or_default();
+    }
+
+    /// Record a work enqueued at `now`; returns the id for its transitions, or `None` when the
+    /// recorder is off. At capacity, overwrites the oldest entry. Moves the group's
+    /// `last_enqueued_collective` for a collective.
+    pub fn record<T: TensorShape>(&mut self, now: Duration, req: &RecordRequest<'_, T>) -> Option<RecordId> {
+        let capacity = self.config.capacity;
+        if capacity == 0 {
+            return None;
+        }
+        let group = self.intern_group(req);
+        let name = self.intern_name(req.profiling_name);
+        let seq = self.recorded;
+        self.recorded += 1;
+        if !req.is_p2p {
+            let status = self.statuses.entry(req.pg_id).or_default();
+            status.last_enqueued_collective = seq_to_status(req.collective_seq_id);
+        }
+
+        let index = (seq % capacity as u64) as usize;
+        if index == self.slots.len() {
+            self.slots.push(Slot::empty());
+        }
+        let slot = &mut self.slots[index];
+        slot.seq = seq;
+        slot.group = group;
+        slot.name = name;
+        slot.collective_seq_id = req.collective_seq_id;
+        slot.p2p_seq_id = req.p2p_seq_id;
+        slot.op_id = req.op_id;
+        slot.is_p2p = req.is_p2p;
+        slot.timeout = req.timeout;
+        slot.created = now;
+        slot.started = None;
+        slot.completed = None;
+        slot.finished = None;
+        slot.duration = None;
+        slot.state = WorkState::Enqueued;
+        slot.error = None;
+        slot.ranks.clear();
+        slot.dims.clear();
+        slot.dtypes.clear();
+        slot.inputs = u32::try_from(req.inputs.len()).unwrap_or(u32::MAX);
+        for t in req.inputs.iter().chain(req.outputs) {
+            slot.push_tensor(t.dtype(), t.shape());
+        }
+        Some(RecordId(seq))
+    }
+
+    /// The work `id` started at `now` (`time_discovered_started_ns`; `state` becomes
+    /// `started`). Raises the group's `last_started_collective` for a collective. No-op if the
+    /// entry is gone or the work already started or ended.
+    pub fn handle_started(&mut self, id: RecordId, now: Duration) {
+        let Some(slot) = self.live_slot(id) else { return };
+        if slot.state != WorkState::Enqueued {
+            return;
+        }
+        slot.state = WorkState::Started;
+        slot.started = Some(now);
+        let (is_p2p, seq, group) = (slot.is_p2p, slot.collective_seq_id, slot.group);
+        if !is_p2p {
+            let status = self.status_of(group);
+            status.last_started_collective = status.last_started_collective.max(seq_to_status(seq));
+        }
+    }
+
+    /// The work `id` completed successfully at `now`: `state` becomes `completed`, the entry is
+    /// retired, `duration_ms` is set when timing is on, and the group's
+    /// `last_completed_collective` moves for a collective. A work that completes without a
+    /// reported start is taken to have started at `now` (a finished collective necessarily
+    /// started), with no duration. No-op if the entry is gone or the work already ended.
+    pub fn handle_completed(&mut self, id: RecordId, now: Duration) {
+        let timing = self.config.timing;
+        let Some(slot) = self.live_slot(id) else { return };
+        if slot.state.is_terminal() {
+            return;
+        }
+        match slot.started {
+            Some(started) if timing => slot.duration = Some(now.saturating_sub(started)),
+            Some(_) => {}
+            None => slot.started = Some(now),
+        }
+        slot.completed = Some(now);
+        slot.finished = Some(now);
+        slot.state = WorkState::Completed;
+        let (is_p2p, seq, group) = (slot.is_p2p, slot.collective_seq_id, slot.group);
+        if !is_p2p {
+            let seq = seq_to_status(seq);
+            let status = self.status_of(group);
+            status.last_completed_collective = seq;
+            status.last_started_collective = status.last_started_collective.max(seq);
+        }
+    }
+
+    /// The work `id` ended at `now` with `result`. Success is
+    /// [`handle_completed`](Self::handle_completed). Any other result retires the entry and
+    /// records cohort's terminal state and the result's text in the extra fields, leaving
+    /// torch's `state` as it was (`scheduled` or `started`). No-op if the entry is gone or the
+    /// work already ended.
+    pub fn handle_finished(&mut self, id: RecordId, now: Duration, result: &WorkResult) {
+        if result.is_success() {
+            self.handle_completed(id, now);
+            return;
+        }
+        let Some(slot) = self.live_slot(id) else { return };
+        if slot.state.is_terminal() {
+            return;
+        }
+        slot.state = result.terminal_state();
+        slot.finished = Some(now);
+        slot.error = Some(result.to_string().into_boxed_str());
+    }
+
+    /// Begin a new reset epoch at `now` (torch's `reset_all`): earlier ids become no-ops,
+    /// earlier entries leave the dump, `record_id` restarts at 0 and every `pg_status` goes
+    /// back to `-1`. No-op if nothing was ever recorded (as torch).
+    pub fn reset(&mut self, now: Duration) {
+        if self.recorded == 0 {
+            return;
+        }
+        self.epoch += 1;
+        self.epoch_start = self.recorded;
+        self.reset_at = Some(now);
+        for status in self.statuses.values_mut() {
+            *status = PgStatus::default();
+        }
+    }
+
+    /// The whole recorder as a [`Dump`]: entries of the current epoch, oldest first (only the
+    /// unfinished-or-failed ones — those not `completed` — with `meta.only_active`).
+    pub fn dump(&self, meta: DumpMeta) -> Dump {
+        let pg_config = self
+            .pg_config
+            .iter()
+            .map(|(name, (desc, ranks))| {
+                let config = PgConfig { name: name.to_string(), desc: desc.to_string(), ranks: ranks.clone() };
+                (name.to_string(), config)
+            })
+            .collect();
+        let pg_status = self.statuses.iter().map(|(id, s)| (id.to_string(), *s)).collect();
+        let first = self.recorded.saturating_sub(self.slots.len() as u64).max(self.epoch_start);
+        let capacity = self.config.capacity.max(1) as u64;
+        let entries = (first..self.recorded)
+            .map(|seq| &self.slots[(seq % capacity) as usize])
+            .filter(|slot| !(meta.only_active && slot.completed.is_some()))
+            .map(|slot| self.dump_entry(slot))
+            .collect();
+        Dump {
+            version: DUMP_VERSION.to_owned(),
+            comm_lib_version: meta.comm_lib_version,
+            pg_config,
+            pg_status,
+            entries,
+            nccl_comm_state: None,
+            rank: Some(meta.rank),
+            world_size: Some(meta.world_size),
+            reset_epoch: Some(self.epoch),
+            reset_time_ns: self.reset_at.map(|t| self.wall_ns(t)),
+        }
+    }
+
+    fn dump_entry(&self, slot: &Slot) -> DumpEntry {
+        let group = &self.groups[slot.group as usize];
+        let mut dims = slot.dims.iter().copied();
+        let mut sizes = |ranks: &[u32]| -> Vec<Vec<u64>> {
+            ranks.iter().map(|&r| dims.by_ref().take(r as usize).collect()).collect()
+        };
+        let (in_ranks, out_ranks) = slot.ranks.split_at(slot.inputs as usize);
+        let input_sizes = sizes(in_ranks);
+        let output_sizes = sizes(out_ranks);
+        let (in_dtypes, out_dtypes) = slot.dtypes.split_at(slot.inputs as usize);
+        let names = |d: &[DType]| d.iter().map(|d| d.scalar_type_name().to_owned()).collect();
+        let state = if slot.completed.is_some() {
+            EntryState::Completed
+        } else if slot.started.is_some() {
+            EntryState::Started
+        } else {
+            EntryState::Scheduled
+        };
+        DumpEntry {
+            record_id: slot.seq - self.epoch_start,
+            pg_id: group.pg_id,
+            process_group: (group.name.to_string(), group.desc.to_string()),
+            thread_name: None,
+            thread_id: None,
+            collective_seq_id: slot.collective_seq_id,
+            p2p_seq_id: slot.p2p_seq_id,
+            op_id: slot.op_id,
+            profiling_name: self.names[slot.name as usize].to_string(),
+            time_created_ns: self.wall_ns(slot.created),
+            duration_ms: slot.duration.map(|d| d.as_secs_f64() * 1e3),
+            input_sizes,
+            input_dtypes: names(in_dtypes),
+            output_sizes,
+            output_dtypes: names(out_dtypes),
+            state,
+            time_discovered_started_ns: slot.started.map(|t| self.wall_ns(t)),
+            time_discovered_completed_ns: slot.completed.map(|t| self.wall_ns(t)),
+            retired: slot.state.is_terminal(),
+            timeout_ms: u64::try_from(slot.timeout.as_millis()).unwrap_or(u64::MAX),
+            is_p2p: slot.is_p2p,
+            frames: Vec::new(),
+            cohort_state: Some(slot.state),
+            cohort_error: slot.error.as_deref().map(str::to_owned),
+            cohort_time_finished_ns: slot.finished.map(|t| self.wall_ns(t)),
+        }
+    }
+
+    /// Wall time in Unix ns of `now` (saturating).
+    fn wall_ns(&self, now: Duration) -> u64 {
+        let since = u64::try_from(now.as_nanos()).unwrap_or(u64::MAX);
+        self.wall_epoch_ns.saturating_add(since)
+    }
+
+    /// The slot still holding record `id` of the current epoch, if any.
+    fn live_slot(&mut self, id: RecordId) -> Option<&mut Slot> {
+        let capacity = self.config.capacity as u64;
+        if capacity == 0 || id.0 < self.epoch_start {
+            return None;
+        }
+        self.slots.get_mut((id.0 % capacity) as usize).filter(|slot| slot.seq == id.0)
+    }
+
+    /// The `pg_status` of interned group `group`.
+    fn status_of(&mut self, group: u32) -> &mut PgStatus {
+        let pg_id = self.groups[group as usize].pg_id;
+        self.statuses.entry(pg_id).or_default()
+    }
+
+    fn intern_group<T>(&mut self, req: &RecordRequest<'_, T>) -> u32 {
+        let found =
+            self.groups.iter().position(|g| g.pg_id == req.pg_id && *g.name == *req.pg_name && *g.desc == *req.pg_desc);
+        let index = found.unwrap_or_else(|| {
+            self.groups.push(GroupKey { pg_id: req.pg_id, name: req.pg_name.into(), desc: req.pg_desc.into() });
+            self.groups.len() - 1
+        });
+        u32::try_from(index).expect("fewer than 2^32 distinct process groups")
+    }
+
+    fn intern_name(&mut self, name: &str) -> u32 {
+        if let Some(&id) = self.name_index.get(name) {
+            return id;
+        }
+        let id = u32::try_from(self.names.len()).expect("fewer than 2^32 distinct profiling names");
+        self.names.push(name.into());
+        self.name_index.insert(name.into(), id);
+        id
+    }
+}
+
+impl Slot {
+    fn empty() -> Self {
+        Slot {
+            seq: 0,
+            group: 0,
+            name: 0,
+            collective_seq_id: 0,
+            p2p_seq_id: 0,
+            op_id: 0,
+            is_p2p: false,
+            timeout: Duration::ZERO,
+            created: Duration::ZERO,
+            started: None,
+            completed: None,
+            finished: None,
+            duration: None,
+            state: WorkState::Enqueued,
+            error: None,
+            ranks: Vec::new(),
+            dims: Vec::new(),
+            dtypes: Vec::new(),
+            inputs: 0,
+        }
+    }
+
+    fn push_tensor(&mut self, dtype: DType, shape: &[usize]) {
+        self.ranks.push(u32::try_from(shape.len()).unwrap_or(u32::MAX));
+        self.dims.extend(shape.iter().map(|&d| d as u64));
+        self.dtypes.push(dtype);
+    }
+}
+
+/// A sequence number as `pg_status` holds it (`int64_t`).
+fn seq_to_status(seq: u64) -> i64 {
+    i64::try_from(seq).unwrap_or(i64::MAX)
+}
+
+#[cfg(test)]
+mod tests;

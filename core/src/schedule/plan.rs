@@ -1,0 +1,536 @@
+//! [`Plan`]: one rank's actions for one collective, with their dependencies.
+
+use std::collections::BTreeMap;
+use std::ops::Range;
+
+use super::{Algorithm, AllreduceAlgorithm, BufId, MAX_WORLD_SIZE, PlanOptions, ScheduleError, ScheduleOp, algorithms};
+use crate::work::Rank;
+
+/// How a received chunk lands in its buffer range.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum RecvMode {
+    /// The payload replaces the range: it may be received straight into the buffer.
+    Copy,
+    /// The payload is combined into the range (`range = range ⊕ payload`): it needs a staging
+    /// area of its own.
+    Reduce,
+}
+
+/// One thing a rank does in a collective. See the [module docs](super) for the model.
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+pub enum Action {
+    /// Copy `src` of `src_buf` into `dst` of `dst_buf` (same length).
+    Copy {
+        /// Source buffer.
+        src_buf: BufId,
+        /// Source byte range.
+        src: Range<usize>,
+        /// Destination buffer.
+        dst_buf: BufId,
+        /// Destination byte range.
+        dst: Range<usize>,
+    },
+    /// [`Reduction::finalize`](crate::reduce::Reduction::finalize) on a range holding a fully
+    /// reduced result.
+    Finalize {
+        /// The buffer.
+        buf: BufId,
+        /// The byte range.
+        range: Range<usize>,
+    },
+    /// [`Reduction::premultiply`](crate::reduce::Reduction::premultiply) on the rank's own
+    /// contribution, before it is sent or combined.
+    Premultiply {
+        /// The buffer.
+        buf: BufId,
+        /// The byte range.
+        range: Range<usize>,
+    },
+    /// Receive the chunk `(step, from)` into `range` of `buf`.
+    Recv {
+        /// The step number in the frame.
+        step: u32,
+        /// The sender.
+        from: Rank,
+        /// The buffer.
+        buf: BufId,
+        /// The byte range; the payload must have exactly its length.
+        range: Range<usize>,
+        /// Copy or combine.
+        mode: RecvMode,
+    },
+    /// Send `range` of `buf` to `to`, tagged with `step`.
+    Send {
+        /// The step number in the frame.
+        step: u32,
+        /// The receiver.
+        to: Rank,
+        /// The buffer.
+        buf: BufId,
+        /// The byte range.
+        range: Range<usize>,
+    },
+}
+
+/// One rank's schedule for one collective: actions in program order and, for each, the earlier
+/// actions it must wait for. Built by [`Plan::new`]; run by an [`Executor`](super::Executor).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Plan {
+    op: ScheduleOp,
+    rank: Rank,
+    world_size: u32,
+    elem_size: usize,
+    algorithm: Algorithm,
+    data_len: usize,
+    output_len: usize,
+    actions: Vec<Action>,
+    deps: Vec<Vec<u32>>,
+    /// `(step, from)` → index of the receive action.
+    recvs: BTreeMap<(u32, Rank), u32>,
+}
+
+impl Plan {
+    /// The plan of `rank` in a world of `world_size` for `op` over elements of `elem_size`
+    /// bytes. Refuses a world size of 0 or above [`MAX_WORLD_SIZE`], a rank or root outside the
+    /// world, an element size of 0, count lists without one entry per rank, and sizes whose
+    /// bytes overflow `usize`.
+    pub fn new(
+        op: &ScheduleOp,
+        rank: Rank,
+        world_size: u32,
+        elem_size: usize,
+        options: PlanOptions,
+    ) -> Result<Plan, ScheduleError> {
+        if world_size == 0 {
+            return Err(ScheduleError::EmptyWorld);
+        }
+        if world_size > MAX_WORLD_SIZE {
+            return Err(ScheduleError::WorldTooLarge { world_size, max: MAX_WORLD_SIZE });
+        }
+        if rank.0 >= world_size {
+            return Err(ScheduleError::RankOutOfRange { rank, world_size });
+        }
+        if elem_size == 0 {
+            return Err(ScheduleError::ElemSizeZero);
+        }
+        let ctx = Ctx {
+            rank: rank.0 as usize,
+            n: world_size as usize,
+            elem_size,
+            chunk_bytes: if options.chunk_bytes == 0 { super::DEFAULT_CHUNK_BYTES } else { options.chunk_bytes },
+        };
+        let check_root = |root: Rank| {
+            if root.0 >= world_size { Err(ScheduleError::RootOutOfRange { root, world_size }) } else { Ok(()) }
+        };
+        let check_counts = |what: &'static str, counts: &[usize]| {
+            if counts.len() != ctx.n {
+                return Err(ScheduleError::CountsLength { what, len: counts.len(), world_size });
+            }
+            total_bytes(what, counts, elem_size).map(|_| ())
+        };
+        let (algorithm, b) = match op {
+            ScheduleOp::Allgather { counts } => {
+                check_counts("counts", counts)?;
+                (Algorithm::Ring, algorithms::ring_allgather(&ctx, counts))
+            }
+            ScheduleOp::Allreduce { count } => {
+                let len = total_bytes("count", &[*count], elem_size)?;
+                let hd = match options.allreduce {
+                    AllreduceAlgorithm::Auto => len <= super::HALVING_DOUBLING_MAX_BYTES,
+                    AllreduceAlgorithm::HalvingDoubling => true,
+                    AllreduceAlgorithm::Ring => false,
+                };
+                if hd {
+                    (Algorithm::HalvingDoubling, algorithms::halving_doubling_allreduce(&ctx, *count))
+                } else {
+                    (Algorithm::Ring, algorithms::ring_allreduce(&ctx, *count))
+                }
+            }
+            ScheduleOp::Alltoall { send_counts, recv_counts } => {
+                check_counts("send_counts", send_counts)?;
+                check_counts("recv_counts", recv_counts)?;
+                let (send, recv) = (send_counts[ctx.rank], recv_counts[ctx.rank]);
+                if send != recv {
+                    return Err(ScheduleError::SelfCount { rank, send, recv });
+                }
+                (Algorithm::Pairwise, algorithms::pairwise_alltoall(&ctx, send_counts, recv_counts))
+            }
+            ScheduleOp::Barrier => (Algorithm::Dissemination, algorithms::dissemination_barrier(&ctx)),
+            ScheduleOp::Broadcast { count, root } => {
+                check_root(*root)?;
+                total_bytes("count", &[*count], elem_size)?;
+                (Algorithm::BinomialTree, algorithms::tree_broadcast(&ctx, *count, root.0 as usize))
+            }
+            ScheduleOp::Gather { counts, root } => {
+                check_root(*root)?;
+                check_counts("counts", counts)?;
+                (Algorithm::Direct, algorithms::direct_gather(&ctx, counts, root.0 as usize))
+            }
+            ScheduleOp::Reduce { count, root } => {
+                check_root(*root)?;
+                total_bytes("count", &[*count], elem_size)?;
+                (Algorithm::BinomialTree, algorithms::tree_reduce(&ctx, *count, root.0 as usize))
+            }
+            ScheduleOp::ReduceScatter { counts } => {
+                check_counts("counts", counts)?;
+                (Algorithm::Ring, algorithms::ring_reduce_scatter(&ctx, counts))
+            }
+            ScheduleOp::Scatter { counts, root } => {
+                check_root(*root)?;
+                check_counts("counts", counts)?;
+                (Algorithm::Direct, algorithms::direct_scatter(&ctx, counts, root.0 as usize))
+            }
+        };
+        Ok(b.finish(op.clone(), rank, world_size, elem_size, algorithm))
+    }
+
+    /// The collective.
+    pub fn op(&self) -> &ScheduleOp {
+        &self.op
+    }
+
+    /// The collective's torch name (`all_reduce`…).
+    pub fn op_name(&self) -> &'static str {
+        self.op.name()
+    }
+
+    /// Whether the executor needs a [`Reduction`](crate::reduce::Reduction).
+    pub fn is_reduction(&self) -> bool {
+        self.op.is_reduction()
+    }
+
+    /// The rank this plan is for.
+    pub fn rank(&self) -> Rank {
+        self.rank
+    }
+
+    /// The world size.
+    pub fn world_size(&self) -> u32 {
+        self.world_size
+    }
+
+    /// Bytes per element.
+    pub fn elem_size(&self) -> usize {
+        self.elem_size
+    }
+
+    /// The algorithm chosen.
+    pub fn algorithm(&self) -> Algorithm {
+        self.algorithm
+    }
+
+    /// Bytes of the [`BufId::Data`] buffer.
+    pub fn data_len(&self) -> usize {
+        self.data_len
+    }
+
+    /// Bytes of the [`BufId::Output`] buffer.
+    pub fn output_len(&self) -> usize {
+        self.output_len
+    }
+
+    /// Bytes of buffer `buf`.
+    pub fn buffer_len(&self, buf: BufId) -> usize {
+        match buf {
+            BufId::Data => self.data_len,
+            BufId::Output => self.output_len,
+        }
+    }
+
+    /// The actions, in program order.
+    pub fn actions(&self) -> &[Action] {
+        &self.actions
+    }
+
+    /// Indices of the earlier actions that action `index` waits for (sorted; empty for an
+    /// index out of range).
+    pub fn deps(&self, index: usize) -> &[u32] {
+        self.deps.get(index).map_or(&[], Vec::as_slice)
+    }
+
+    /// Index of the receive action for chunk `(step, from)`, if the plan expects one.
+    pub fn recv_index(&self, step: u32, from: Rank) -> Option<usize> {
+        self.recvs.get(&(step, from)).map(|&i| i as usize)
+    }
+
+    /// The ranks this plan expects a chunk from at `step`, ascending.
+    pub fn senders_at(&self, step: u32) -> Vec<Rank> {
+        self.recvs.range((step, Rank(0))..=(step, Rank(u32::MAX))).map(|(&(_, from), _)| from).collect()
+    }
+
+    /// Receive actions as `((step, from), action index)`, ordered by step then sender.
+    pub(super) fn recv_table(&self) -> &BTreeMap<(u32, Rank), u32> {
+        &self.recvs
+    }
+}
+
+/// Sum of `counts` in bytes, refusing overflow.
+pub(super) fn total_bytes(what: &'static str, counts: &[usize], elem_size: usize) -> Result<usize, ScheduleError> {
+    let count = counts.iter().try_fold(0usize, |acc, &c| acc.checked_add(c));
+    let overflow = || ScheduleError::Overflow { what, count: count.unwrap_or(usize::MAX), elem_size };
+    count.ok_or_else(overflow)?.checked_mul(elem_size).ok_or_else(overflow)
+}
+
+/// What every algorithm needs to know about the rank and the options.
+#[derive(Debug, Clone, Copy)]
+pub(super) struct Ctx {
+    pub(super) rank: usize,
+    pub(super) n: usize,
+    pub(super) elem_size: usize,
+    pub(super) chunk_bytes: usize,
+}
+
+impl Ctx {
+    /// Pipeline chunks per segment when the largest segment has `max_elems` elements: enough
+    /// for chunks of at most `chunk_bytes`, at least 1, at most [`MAX_PIPELINE_CHUNKS`] and at
+    /// most one per element.
+    ///
+    /// [`MAX_PIPELINE_CHUNKS`]: super::MAX_PIPELINE_CHUNKS
+    pub(super) fn chunks_for(&self, max_elems: usize) -> usize {
+        let bytes = max_elems * self.elem_size;
+        bytes.div_ceil(self.chunk_bytes).clamp(1, super::MAX_PIPELINE_CHUNKS).min(max_elems.max(1))
+    }
+
+    pub(super) fn peer(&self, rank: usize) -> Rank {
+        // World sizes are at most MAX_WORLD_SIZE, so every rank fits in u32.
+        Rank(rank as u32)
+    }
+}
+
+/// Builds a plan's actions and derives their dependencies from byte-range hazards.
+#[derive(Debug)]
+pub(super) struct Builder {
+    elem_size: usize,
+    data_len: usize,
+    output_len: usize,
+    actions: Vec<Action>,
+    deps: Vec<Vec<u32>>,
+    tracks: [Track; 2],
+}
+
+impl Builder {
+    /// A builder for buffers of `data_elems` and `output_elems` elements.
+    pub(super) fn new(ctx: &Ctx, data_elems: usize, output_elems: usize) -> Builder {
+        let (data_len, output_len) = (data_elems * ctx.elem_size, output_elems * ctx.elem_size);
+        Builder {
+            elem_size: ctx.elem_size,
+            data_len,
+            output_len,
+            actions: Vec::new(),
+            deps: Vec::new(),
+            tracks: [Track::new(data_len), Track::new(output_len)],
+        }
+    }
+
+    fn bytes(&self, elems: &Range<usize>) -> Range<usize> {
+        super::bytes(elems.clone(), self.elem_size)
+    }
+
+    /// Send elements `elems` of `buf` to `to` at `step`; returns the action's index.
+    pub(super) fn send(&mut self, step: u32, to: Rank, buf: BufId, elems: Range<usize>) -> u32 {
+        let range = self.bytes(&elems);
+        self.push(Action::Send { step, to, buf, range }, &[])
+    }
+
+    /// Receive `(step, from)` into elements `elems` of `buf`; returns the action's index.
+    pub(super) fn recv(&mut self, step: u32, from: Rank, buf: BufId, elems: Range<usize>, mode: RecvMode) -> u32 {
+        let range = self.bytes(&elems);
+        self.push(Action::Recv { step, from, buf, range, mode }, &[])
+    }
+
+    /// An empty message to `to` at `step`, sent once action `after` has run.
+    pub(super) fn send_empty_after(&mut self, step: u32, to: Rank, after: Option<u32>) -> u32 {
+        let range = 0..0;
+        self.push(Action::Send { step, to, buf: BufId::Data, range }, after.as_slice())
+    }
+
+    /// An empty message from `from` at `step`, taken once action `after` has run.
+    pub(super) fn recv_empty_after(&mut self, step: u32, from: Rank, after: Option<u32>) -> u32 {
+        let (range, mode) = (0..0, RecvMode::Copy);
+        self.push(Action::Recv { step, from, buf: BufId::Data, range, mode }, after.as_slice())
+    }
+
+    /// Copy elements `src` of `src_buf` to elements `dst` of `dst_buf`.
+    pub(super) fn copy(&mut self, src_buf: BufId, src: Range<usize>, dst_buf: BufId, dst: Range<usize>) {
+        debug_assert_eq!(src.len(), dst.len(), "copy between ranges of different lengths");
+        let (src, dst) = (self.bytes(&src), self.bytes(&dst));
+        self.push(Action::Copy { src_buf, src, dst_buf, dst }, &[]);
+    }
+
+    /// Premultiply elements `elems` of `buf`.
+    pub(super) fn premultiply(&mut self, buf: BufId, elems: Range<usize>) {
+        let range = self.bytes(&elems);
+        self.push(Action::Premultiply { buf, range }, &[]);
+    }
+
+    /// Finalize elements `elems` of `buf`.
+    pub(super) fn finalize(&mut self, buf: BufId, elems: Range<usize>) {
+        let range = self.bytes(&elems);
+        self.push(Action::Finalize { buf, range }, &[]);
+    }
+
+    fn track(&mut self, buf: BufId) -> &mut Track {
+        match buf {
+            BufId::Data => &mut self.tracks[0],
+            BufId::Output => &mut self.tracks[1],
+        }
+    }
+
+    fn push(&mut self, action: Action, after: &[u32]) -> u32 {
+        let me = u32::try_from(self.actions.len()).expect("plans have far fewer than 2^32 actions");
+        let mut deps = after.to_vec();
+        match &action {
+            Action::Send { buf, range, .. } => self.track(*buf).access(range, false, me, &mut deps),
+            Action::Recv { buf, range, .. } | Action::Premultiply { buf, range } | Action::Finalize { buf, range } => {
+                self.track(*buf).access(range, true, me, &mut deps)
+            }
+            Action::Copy { src_buf, src, dst_buf, dst } => {
+                self.track(*src_buf).access(src, false, me, &mut deps);
+                self.track(*dst_buf).access(dst, true, me, &mut deps);
+            }
+        }
+        deps.sort_unstable();
+        deps.dedup();
+        deps.retain(|&d| d != me);
+        self.actions.push(action);
+        self.deps.push(deps);
+        me
+    }
+
+    fn finish(self, op: ScheduleOp, rank: Rank, world_size: u32, elem_size: usize, algorithm: Algorithm) -> Plan {
+        let mut recvs = BTreeMap::new();
+        for (i, a) in self.actions.iter().enumerate() {
+            if let Action::Recv { step, from, .. } = a {
+                let fresh = recvs.insert((*step, *from), i as u32).is_none();
+                debug_assert!(fresh, "plan receives ({step}, {from}) twice");
+            }
+        }
+        Plan {
+            op,
+            rank,
+            world_size,
+            elem_size,
+            algorithm,
+            data_len: self.data_len,
+            output_len: self.output_len,
+            actions: self.actions,
+            deps: self.deps,
+            recvs,
+        }
+    }
+}
+
+/// Per-buffer hazard tracking: disjoint byte intervals, each with its last writer and the
+/// readers since.
+#[derive(Debug)]
+struct Track {
+    /// start → interval.
+    segs: BTreeMap<usize, Seg>,
+}
+
+#[derive(Debug, Clone)]
+struct Seg {
+    end: usize,
+    writer: Option<u32>,
+    readers: Vec<u32>,
+}
+
+impl Track {
+    fn new(len: usize) -> Track {
+        let mut segs = BTreeMap::new();
+        if len > 0 {
+            segs.insert(0, Seg { end: len, writer: None, readers: Vec::new() });
+        }
+        Track { segs }
+    }
+
+    /// Record an access by action `me`, adding the actions it must wait for to `deps`.
+    fn access(&mut self, range: &Range<usize>, write: bool, me: u32, deps: &mut Vec<u32>) {
+        if range.is_empty() {
+            return;
+        }
+        self.split_at(range.start);
+        self.split_at(range.end);
+        for seg in self.segs.range_mut(range.start..range.end).map(|(_, s)| s) {
+            deps.extend(seg.writer);
+            if write {
+                deps.append(&mut seg.readers);
+                seg.writer = Some(me);
+            } else {
+                seg.readers.push(me);
+            }
+        }
+    }
+
+    fn split_at(&mut self, pos: usize) {
+        let Some((&start, seg)) = self.segs.range_mut(..=pos).next_back() else { return };
+        if start == pos || seg.end <= pos {
+            return;
+        }
+        let upper = seg.clone();
+        seg.end = pos;
+        self.segs.insert(pos, upper);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn plan(op: ScheduleOp, rank: u32, n: u32) -> Plan {
+        Plan::new(&op, Rank(rank), n, 4, PlanOptions::default()).unwrap()
+    }
+
+    #[test]
+    fn arguments_are_checked_up_front() {
+        let o = PlanOptions::default();
+        let bcast = ScheduleOp::Broadcast { count: 4, root: Rank(3) };
+        assert_eq!(
+            Plan::new(&bcast, Rank(0), 3, 4, o).unwrap_err().to_string(),
+            "root 3 is out of range for world size 3"
+        );
+        assert_eq!(
+            Plan::new(&bcast, Rank(5), 4, 4, o).unwrap_err().to_string(),
+            "rank 5 is out of range for world size 4"
+        );
+        assert_eq!(Plan::new(&ScheduleOp::Barrier, Rank(0), 0, 4, o).unwrap_err(), ScheduleError::EmptyWorld);
+        assert_eq!(Plan::new(&ScheduleOp::Barrier, Rank(0), 1, 0, o).unwrap_err(), ScheduleError::ElemSizeZero);
+        let ag = ScheduleOp::Allgather { counts: vec![1, 2] };
+        assert_eq!(
+            Plan::new(&ag, Rank(0), 3, 4, o).unwrap_err().to_string(),
+            "counts has 2 entries but the world size is 3"
+        );
+        let big = ScheduleOp::Allreduce { count: usize::MAX / 2 };
+        assert!(matches!(Plan::new(&big, Rank(0), 2, 4, o), Err(ScheduleError::Overflow { .. })));
+        let huge = ScheduleOp::Barrier;
+        assert!(matches!(
+            Plan::new(&huge, Rank(0), MAX_WORLD_SIZE + 1, 4, o),
+            Err(ScheduleError::WorldTooLarge { .. })
+        ));
+    }
+
+    #[test]
+    fn hazards_order_reads_and_writes_of_overlapping_bytes() {
+        let ctx = Ctx { rank: 0, n: 2, elem_size: 1, chunk_bytes: 1 };
+        let mut b = Builder::new(&ctx, 10, 0);
+        let w0 = b.recv(0, Rank(1), BufId::Data, 0..5, RecvMode::Copy);
+        let r1 = b.send(1, Rank(1), BufId::Data, 3..8);
+        let r2 = b.send(2, Rank(1), BufId::Data, 4..6);
+        let w3 = b.recv(3, Rank(1), BufId::Data, 5..10, RecvMode::Reduce);
+        let w4 = b.recv(4, Rank(1), BufId::Data, 8..9, RecvMode::Copy);
+        assert_eq!(b.deps[w0 as usize], Vec::<u32>::new());
+        assert_eq!(b.deps[r1 as usize], vec![w0], "read after write on 3..5");
+        assert_eq!(b.deps[r2 as usize], vec![w0], "reads do not wait for reads");
+        assert_eq!(b.deps[w3 as usize], vec![r1, r2], "write after read on 5..8");
+        assert_eq!(b.deps[w4 as usize], vec![w3], "write after write on 8..9");
+    }
+
+    #[test]
+    fn recv_table_names_the_senders_of_a_step() {
+        let p = plan(ScheduleOp::Gather { counts: vec![1; 5], root: Rank(2) }, 2, 5);
+        assert_eq!(p.senders_at(0), vec![Rank(0), Rank(1), Rank(3), Rank(4)]);
+        assert_eq!(p.senders_at(1), vec![]);
+        assert!(p.recv_index(0, Rank(3)).is_some());
+        assert!(p.recv_index(0, Rank(2)).is_none());
+    }
+}

@@ -1,0 +1,224 @@
+//! The watchdog's pure parts: one timer table keyed by [`TimerKind`], the c10d-style timeout
+//! message, and the monitor that notices when a driver stops ticking.
+//!
+//! [`GroupState`](crate::group::GroupState) owns a [`TimerTable`]; a driver asks for the
+//! earliest deadline with `poll_timeout()` and calls `handle_timeout(now)` when it passes.
+//! Deadlines are exact, so a hung collective is reported at its timeout, not at the next
+//! multiple of a polling interval.
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::time::Duration;
+
+use serde::{Deserialize, Serialize};
+
+use crate::work::{OpType, Rank, SeqNo, WorkId};
+
+/// Why the group asked to be woken.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
+pub enum TimerKind {
+    /// Send the next heartbeat to every peer.
+    Heartbeat,
+    /// A peer has been silent too long.
+    PeerSilence(Rank),
+    /// A work's deadline (enqueue time + its timeout).
+    WorkDeadline(WorkId),
+}
+
+/// Deadlines keyed by kind; at most one deadline per kind.
+#[derive(Debug, Clone, Default)]
+pub struct TimerTable {
+    by_kind: BTreeMap<TimerKind, Duration>,
+    by_time: BTreeSet<(Duration, TimerKind)>,
+}
+
+impl TimerTable {
+    /// An empty table.
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// Set (or move) the deadline of `kind`.
+    pub fn set(&mut self, kind: TimerKind, at: Duration) {
+        if let Some(old) = self.by_kind.insert(kind, at) {
+            self.by_time.remove(&(old, kind));
+        }
+        self.by_time.insert((at, kind));
+    }
+
+    /// Remove the deadline of `kind`, if any.
+    pub fn cancel(&mut self, kind: TimerKind) {
+        if let Some(old) = self.by_kind.remove(&kind) {
+            self.by_time.remove(&(old, kind));
+        }
+    }
+
+    /// The deadline of `kind`.
+    pub fn get(&self, kind: TimerKind) -> Option<Duration> {
+        self.by_kind.get(&kind).copied()
+    }
+
+    /// The earliest deadline and its kind.
+    pub fn earliest(&self) -> Option<(Duration, TimerKind)> {
+        self.by_time.first().copied()
+    }
+
+    /// Remove and return the earliest timer if it is due at `now`. Call until `None`.
+    pub fn pop_expired(&mut self, now: Duration) -> Option<(Duration, TimerKind)> {
+        let &(at, kind) = self.by_time.first()?;
+        if at > now {
+            return None;
+        }
+        self.by_time.pop_first();
+        self.by_kind.remove(&kind);
+        Some((at, kind))
+    }
+
+    /// Number of timers set.
+    pub fn len(&self) -> usize {
+        self.by_kind.len()
+    }
+
+    /// Whether no timer is set.
+    pub fn is_empty(&self) -> bool {
+        self.by_kind.is_empty()
+    }
+}
+
+/// What a timed-out work was, for [`timeout_message`].
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct TimeoutContext {
+    /// The op.
+    pub op: OpType,
+    /// Its sequence number.
+    pub seq: SeqNo,
+    /// Elements in.
+    pub numel_in: usize,
+    /// Elements out.
+    pub numel_out: usize,
+    /// Its timeout.
+    pub timeout: Duration,
+    /// How long it ran before the watchdog ended it.
+    pub elapsed: Duration,
+    /// Whether it ever started on the data plane.
+    pub started: bool,
+    /// The ranks whose part had not arrived, when the data plane told us.
+    pub waiting_on: Option<Vec<Rank>>,
+}
+
+/// The message of a watchdog timeout. It carries what c10d's does ("Watchdog caught collective
+/// operation timeout: WorkNCCL(SeqNum=…, OpType=…, NumelIn=…, NumelOut=…, Timeout(ms)=…) ran
+/// for … milliseconds before timing out") and, beyond it, the ranks that never sent their part.
+pub fn timeout_message(this_rank: Rank, cx: &TimeoutContext) -> String {
+    let mut msg = format!(
+        "rank {this_rank}: watchdog caught collective operation timeout: {op} (seq {seq}, numel in {ni}, numel out {no}, timeout {t} ms) ran for {e} ms before timing out",
+        op = cx.op,
+        seq = cx.seq,
+        ni = cx.numel_in,
+        no = cx.numel_out,
+        t = cx.timeout.as_millis(),
+        e = cx.elapsed.as_millis(),
+    );
+    if !cx.started {
+        msg.push_str("; it never started (an earlier work on this group was still running)");
+    }
+    match &cx.waiting_on {
+        Some(ranks) if !ranks.is_empty() => {
+            let list: Vec<String> = ranks.iter().map(Rank::to_string).collect();
+            msg.push_str(&format!("; still waiting for rank(s) [{}]", list.join(", ")));
+        }
+        _ => {}
+    }
+    msg
+}
+
+/// Notices a driver that stopped ticking (c10d's heartbeat monitor for its watchdog thread,
+/// `TORCH_NCCL_HEARTBEAT_TIMEOUT_SEC`): the driver calls [`DriverMonitor::handle_tick`] from its
+/// loop; another thread asks [`DriverMonitor::check`].
+#[derive(Debug, Clone)]
+pub struct DriverMonitor {
+    last_tick: Duration,
+    stall_after: Duration,
+    raised: bool,
+}
+
+impl DriverMonitor {
+    /// A monitor that raises once the driver has not ticked for `stall_after`.
+    pub fn new(now: Duration, stall_after: Duration) -> Self {
+        DriverMonitor { last_tick: now, stall_after, raised: false }
+    }
+
+    /// The driver is alive at `now`.
+    pub fn handle_tick(&mut self, now: Duration) {
+        self.last_tick = self.last_tick.max(now);
+        self.raised = false;
+    }
+
+    /// How long the driver has been silent, once it exceeds the limit; raised once per stall.
+    pub fn check(&mut self, now: Duration) -> Option<Duration> {
+        let silent = now.saturating_sub(self.last_tick);
+        if silent >= self.stall_after && !self.raised {
+            self.raised = true;
+            Some(silent)
+        } else {
+            None
+        }
+    }
+
+    /// When [`DriverMonitor::check`] could next raise.
+    pub fn poll_timeout(&self) -> Option<Duration> {
+        (!self.raised).then(|| self.last_tick + self.stall_after)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const MS: fn(u64) -> Duration = Duration::from_millis;
+
+    #[test]
+    fn timer_table_pops_in_deadline_order_and_moves_timers() {
+        let mut t = TimerTable::new();
+        t.set(TimerKind::WorkDeadline(WorkId(1)), MS(30));
+        t.set(TimerKind::Heartbeat, MS(10));
+        t.set(TimerKind::PeerSilence(Rank(2)), MS(20));
+        t.set(TimerKind::Heartbeat, MS(40));
+        assert_eq!(t.earliest(), Some((MS(20), TimerKind::PeerSilence(Rank(2)))));
+        assert_eq!(t.pop_expired(MS(19)), None);
+        assert_eq!(t.pop_expired(MS(35)), Some((MS(20), TimerKind::PeerSilence(Rank(2)))));
+        assert_eq!(t.pop_expired(MS(35)), Some((MS(30), TimerKind::WorkDeadline(WorkId(1)))));
+        assert_eq!(t.pop_expired(MS(35)), None);
+        t.cancel(TimerKind::Heartbeat);
+        assert!(t.is_empty());
+    }
+
+    #[test]
+    fn timeout_message_names_the_missing_ranks() {
+        let cx = TimeoutContext {
+            op: OpType::Allreduce,
+            seq: SeqNo(7),
+            numel_in: 1024,
+            numel_out: 1024,
+            timeout: MS(500),
+            elapsed: MS(503),
+            started: true,
+            waiting_on: Some(vec![Rank(2), Rank(3)]),
+        };
+        assert_eq!(
+            timeout_message(Rank(0), &cx),
+            "rank 0: watchdog caught collective operation timeout: all_reduce (seq 7, numel in 1024, numel out 1024, timeout 500 ms) ran for 503 ms before timing out; still waiting for rank(s) [2, 3]"
+        );
+    }
+
+    #[test]
+    fn driver_monitor_raises_once_per_stall() {
+        let mut m = DriverMonitor::new(MS(0), MS(100));
+        assert_eq!(m.check(MS(99)), None);
+        assert_eq!(m.poll_timeout(), Some(MS(100)));
+        assert_eq!(m.check(MS(150)), Some(MS(150)));
+        assert_eq!(m.check(MS(200)), None);
+        m.handle_tick(MS(210));
+        assert_eq!(m.check(MS(250)), None);
+        assert_eq!(m.check(MS(310)), Some(MS(100)));
+    }
+}

@@ -1,0 +1,562 @@
+//! Fault plans as data: what goes wrong, where and when. Written by hand (Rust or the text
+//! syntax below) or drawn from a seed.
+//!
+//! # Text syntax
+//!
+//! Faults separated by `;`. Times are simulated milliseconds since the simulation started;
+//! collectives are 0-based indices into the script.
+//!
+//! | fault | meaning |
+//! |---|---|
+//! | `crash R @collective K` / `crash R @T ms` | the rank's host dies (peers read EOF) when it starts collective K, or at time T |
+//! | `hang R @collective K` | the rank stays alive but never calls collective K |
+//! | `partition A-B @T ms [until U ms]` | the link between two ranks drops everything, optionally repaired at U |
+//! | `isolate R @T ms [until U ms]` | the rank is partitioned from every other rank and the store |
+//! | `hold A-B @T ms [until U ms]` | the link holds its messages (silence, nothing lost), released at U |
+//! | `latency A-B L ms [@T ms]` | the link's latency becomes L from time T (default 0) |
+//! | `slow R D ms` | the rank sleeps D before every collective |
+//! | `desync R @collective K op=OP` / `numel=N` / `dtype=D` | the rank calls another op, size or dtype at K |
+//! | `store-crash @T ms` | the store's host dies |
+//!
+//! Spaces around `ms` are optional (`@500ms`).
+
+use std::fmt;
+use std::str::FromStr;
+
+use cohort_core::tensor::DType;
+use serde::{Deserialize, Serialize};
+
+use crate::workload::{Script, ScriptOp};
+
+/// When a crash happens.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Trigger {
+    /// At this simulated time (ms since the start).
+    AtMs(u64),
+    /// When the rank starts this collective (0-based script index), before submitting it.
+    Collective(usize),
+}
+
+/// What a desynchronised rank does differently.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Change {
+    /// Calls this collective instead.
+    Op(ScriptOp),
+    /// Passes this many elements instead.
+    Numel(usize),
+    /// Passes this dtype instead.
+    Dtype(DType),
+}
+
+/// One fault.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(tag = "fault", rename_all = "snake_case")]
+pub enum Fault {
+    /// The rank's host dies.
+    Crash {
+        /// The rank.
+        rank: u32,
+        /// When.
+        at: Trigger,
+    },
+    /// The rank stays alive but never calls this collective.
+    Hang {
+        /// The rank.
+        rank: u32,
+        /// The collective it never calls (0-based script index).
+        collective: usize,
+    },
+    /// The link between two ranks drops everything.
+    Partition {
+        /// One end.
+        a: u32,
+        /// The other end.
+        b: u32,
+        /// From (ms).
+        at_ms: u64,
+        /// Repaired at (ms), if ever.
+        until_ms: Option<u64>,
+    },
+    /// The rank is cut off from every other rank and the store.
+    Isolate {
+        /// The rank.
+        rank: u32,
+        /// From (ms).
+        at_ms: u64,
+        /// Repaired at (ms), if ever.
+        until_ms: Option<u64>,
+    },
+    /// The link holds its messages (they are delayed, not lost).
+    Hold {
+        /// One end.
+        a: u32,
+        /// The other end.
+        b: u32,
+        /// From (ms).
+        at_ms: u64,
+        /// Released at (ms), if ever.
+        until_ms: Option<u64>,
+    },
+    /// The link's latency changes.
+    Latency {
+        /// One end.
+        a: u32,
+        /// The other end.
+        b: u32,
+        /// The latency (ms).
+        latency_ms: u64,
+        /// From (ms).
+        at_ms: u64,
+    },
+    /// The rank sleeps before every collective.
+    Slow {
+        /// The rank.
+        rank: u32,
+        /// How long (ms).
+        delay_ms: u64,
+    },
+    /// The rank calls another op, size or dtype at one collective.
+    Desync {
+        /// The rank.
+        rank: u32,
+        /// The collective (0-based script index).
+        collective: usize,
+        /// What it does differently.
+        change: Change,
+    },
+    /// The store's host dies.
+    StoreCrash {
+        /// When (ms).
+        at_ms: u64,
+    },
+}
+
+impl Fault {
+    /// Whether a job under this fault alone must still finish every collective correctly:
+    /// a slow rank, added latency, a hold released well within the timeouts, or a store that
+    /// dies after every rank has connected (the store is not on the data path).
+    pub fn is_benign(&self, timeout_ms: u64) -> bool {
+        match *self {
+            Fault::Slow { delay_ms, .. } => delay_ms < timeout_ms / 2,
+            Fault::Latency { latency_ms, .. } => latency_ms < timeout_ms / 10,
+            Fault::Hold { until_ms: Some(until), at_ms, .. } => until.saturating_sub(at_ms) < timeout_ms / 4,
+            _ => false,
+        }
+    }
+
+    /// The ranks this fault is about (the ones a diagnosis should name).
+    pub fn ranks(&self) -> Vec<u32> {
+        match *self {
+            Fault::Crash { rank, .. }
+            | Fault::Hang { rank, .. }
+            | Fault::Isolate { rank, .. }
+            | Fault::Slow { rank, .. }
+            | Fault::Desync { rank, .. } => vec![rank],
+            Fault::Partition { a, b, .. } | Fault::Hold { a, b, .. } | Fault::Latency { a, b, .. } => vec![a, b],
+            Fault::StoreCrash { .. } => Vec::new(),
+        }
+    }
+
+    fn check(&self, world_size: u32, steps: usize) -> Result<(), String> {
+        for r in self.ranks() {
+            if r >= world_size {
+                return Err(format!("{self}: rank {r} is not a rank of a {world_size}-rank world"));
+            }
+        }
+        if let Fault::Partition { a, b, .. } | Fault::Hold { a, b, .. } | Fault::Latency { a, b, .. } = *self {
+            if a == b {
+                return Err(format!("{self}: a link joins two different ranks"));
+            }
+        }
+        let k = match *self {
+            Fault::Crash { at: Trigger::Collective(k), .. } | Fault::Hang { collective: k, .. } => Some(k),
+            Fault::Desync { collective: k, .. } => Some(k),
+            _ => None,
+        };
+        if let Some(k) = k {
+            if k >= steps {
+                return Err(format!("{self}: collective {k} is past the script's {steps} steps"));
+            }
+        }
+        if let Fault::Partition { at_ms, until_ms: Some(u), .. }
+        | Fault::Isolate { at_ms, until_ms: Some(u), .. }
+        | Fault::Hold { at_ms, until_ms: Some(u), .. } = *self
+        {
+            if u <= at_ms {
+                return Err(format!("{self}: it must end after it starts"));
+            }
+        }
+        Ok(())
+    }
+}
+
+fn until(f: &mut fmt::Formatter<'_>, until_ms: Option<u64>) -> fmt::Result {
+    match until_ms {
+        Some(u) => write!(f, " until {u}ms"),
+        None => Ok(()),
+    }
+}
+
+impl fmt::Display for Fault {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match *self {
+            Fault::Crash { rank, at: Trigger::AtMs(t) } => write!(f, "crash {rank} @{t}ms"),
+            Fault::Crash { rank, at: Trigger::Collective(k) } => write!(f, "crash {rank} @collective {k}"),
+            Fault::Hang { rank, collective } => write!(f, "hang {rank} @collective {collective}"),
+            Fault::Partition { a, b, at_ms, until_ms } => {
+                write!(f, "partition {a}-{b} @{at_ms}ms")?;
+                until(f, until_ms)
+            }
+            Fault::Isolate { rank, at_ms, until_ms } => {
+                write!(f, "isolate {rank} @{at_ms}ms")?;
+                until(f, until_ms)
+            }
+            Fault::Hold { a, b, at_ms, until_ms } => {
+                write!(f, "hold {a}-{b} @{at_ms}ms")?;
+                until(f, until_ms)
+            }
+            Fault::Latency { a, b, latency_ms, at_ms } => write!(f, "latency {a}-{b} {latency_ms}ms @{at_ms}ms"),
+            Fault::Slow { rank, delay_ms } => write!(f, "slow {rank} {delay_ms}ms"),
+            Fault::Desync { rank, collective, change } => {
+                write!(f, "desync {rank} @collective {collective} ")?;
+                match change {
+                    Change::Op(op) => write!(f, "op={op}"),
+                    Change::Numel(n) => write!(f, "numel={n}"),
+                    Change::Dtype(d) => write!(f, "dtype={}", crate::workload::dtype_short(d)),
+                }
+            }
+            Fault::StoreCrash { at_ms } => write!(f, "store-crash @{at_ms}ms"),
+        }
+    }
+}
+
+/// Words of one fault, with `@` and `ms` split off so `@500ms`, `@ 500 ms` and `@500 ms` read
+/// the same.
+fn words(s: &str) -> Vec<String> {
+    let spaced = s.replace('@', " @ ");
+    let mut out = Vec::new();
+    for w in spaced.split_whitespace() {
+        match w.strip_suffix("ms") {
+            Some(n) if !n.is_empty() && n.bytes().all(|b| b.is_ascii_digit()) => {
+                out.push(n.to_owned());
+                out.push("ms".to_owned());
+            }
+            _ => out.push(w.to_owned()),
+        }
+    }
+    out
+}
+
+struct Words<'a> {
+    text: &'a str,
+    words: std::vec::IntoIter<String>,
+}
+
+impl Words<'_> {
+    fn err(&self, what: &str) -> String {
+        format!("fault {:?}: {what}", self.text.trim())
+    }
+    fn next(&mut self, what: &str) -> Result<String, String> {
+        self.words.next().ok_or_else(|| self.err(&format!("expected {what}")))
+    }
+    fn expect(&mut self, word: &str) -> Result<(), String> {
+        let w = self.next(&format!("{word:?}"))?;
+        if w == word { Ok(()) } else { Err(self.err(&format!("expected {word:?}, got {w:?}"))) }
+    }
+    fn num<T: FromStr>(&mut self, what: &str) -> Result<T, String> {
+        let w = self.next(what)?;
+        w.parse().map_err(|_| self.err(&format!("{what} {w:?} is not a number")))
+    }
+    fn ms(&mut self, what: &str) -> Result<u64, String> {
+        let n = self.num(what)?;
+        self.expect("ms")?;
+        Ok(n)
+    }
+    fn at_ms(&mut self) -> Result<u64, String> {
+        self.expect("@")?;
+        self.ms("a time")
+    }
+    fn link(&mut self) -> Result<(u32, u32), String> {
+        let w = self.next("a link A-B")?;
+        let (a, b) = w.split_once('-').ok_or_else(|| self.err(&format!("expected a link A-B, got {w:?}")))?;
+        let parse = |x: &str| x.parse::<u32>().map_err(|_| self.err(&format!("rank {x:?} is not a number")));
+        Ok((parse(a)?, parse(b)?))
+    }
+    fn until(&mut self) -> Result<Option<u64>, String> {
+        match self.words.next() {
+            None => Ok(None),
+            Some(w) if w == "until" => self.ms("a time").map(Some),
+            Some(w) => Err(self.err(&format!("expected \"until\" or the end, got {w:?}"))),
+        }
+    }
+    fn collective(&mut self) -> Result<usize, String> {
+        self.expect("@")?;
+        self.expect("collective")?;
+        self.num("a collective index")
+    }
+    fn end(&mut self) -> Result<(), String> {
+        match self.words.next() {
+            None => Ok(()),
+            Some(w) => Err(self.err(&format!("unexpected {w:?}"))),
+        }
+    }
+}
+
+impl FromStr for Fault {
+    type Err = String;
+    fn from_str(text: &str) -> Result<Fault, String> {
+        let mut w = Words { text, words: words(text).into_iter() };
+        let kind = w.next("a fault (crash, hang, partition, isolate, hold, latency, slow, desync, store-crash)")?;
+        let fault = match kind.as_str() {
+            "crash" => {
+                let rank = w.num("a rank")?;
+                w.expect("@")?;
+                let what = w.next("\"collective K\" or a time")?;
+                let at = if what == "collective" {
+                    Trigger::Collective(w.num("a collective index")?)
+                } else {
+                    let t = what.parse().map_err(|_| w.err(&format!("time {what:?} is not a number")))?;
+                    w.expect("ms")?;
+                    Trigger::AtMs(t)
+                };
+                Fault::Crash { rank, at }
+            }
+            "hang" => {
+                let rank = w.num("a rank")?;
+                Fault::Hang { rank, collective: w.collective()? }
+            }
+            "partition" => {
+                let (a, b) = w.link()?;
+                let at_ms = w.at_ms()?;
+                Fault::Partition { a, b, at_ms, until_ms: w.until()? }
+            }
+            "isolate" => {
+                let rank = w.num("a rank")?;
+                let at_ms = w.at_ms()?;
+                Fault::Isolate { rank, at_ms, until_ms: w.until()? }
+            }
+            "hold" => {
+                let (a, b) = w.link()?;
+                let at_ms = w.at_ms()?;
+                Fault::Hold { a, b, at_ms, until_ms: w.until()? }
+            }
+            "latency" => {
+                let (a, b) = w.link()?;
+                let latency_ms = w.ms("a latency")?;
+                let at_ms = match w.words.as_slice().first() {
+                    Some(x) if x == "@" => w.at_ms()?,
+                    _ => 0,
+                };
+                Fault::Latency { a, b, latency_ms, at_ms }
+            }
+            "slow" => {
+                let rank = w.num("a rank")?;
+                Fault::Slow { rank, delay_ms: w.ms("a delay")? }
+            }
+            "desync" => {
+                let rank = w.num("a rank")?;
+                let collective = w.collective()?;
+                let spec = w.next("op=OP, numel=N or dtype=D")?;
+                let change = match spec.split_once('=') {
+                    Some(("op", op)) => Change::Op(op.parse().map_err(|e: String| w.err(&e))?),
+                    Some(("numel", n)) => {
+                        Change::Numel(n.parse().map_err(|_| w.err(&format!("numel {n:?} is not a number")))?)
+                    }
+                    Some(("dtype", d)) => {
+                        Change::Dtype(d.parse().map_err(|_| w.err(&format!("unknown dtype {d:?}")))?)
+                    }
+                    _ => return Err(w.err(&format!("expected op=OP, numel=N or dtype=D, got {spec:?}"))),
+                };
+                Fault::Desync { rank, collective, change }
+            }
+            "store-crash" => Fault::StoreCrash { at_ms: w.at_ms()? },
+            other => return Err(w.err(&format!("unknown fault {other:?}"))),
+        };
+        w.end()?;
+        Ok(fault)
+    }
+}
+
+/// Every fault of one simulation.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct FaultPlan {
+    /// The faults.
+    pub faults: Vec<Fault>,
+}
+
+impl FaultPlan {
+    /// No faults.
+    pub fn none() -> FaultPlan {
+        FaultPlan::default()
+    }
+
+    /// This plan plus `fault`.
+    pub fn with(mut self, fault: Fault) -> FaultPlan {
+        self.faults.push(fault);
+        self
+    }
+
+    /// Check every fault against the world and the script.
+    pub fn validate(&self, world_size: u32, script: Option<&Script>) -> Result<(), String> {
+        let steps = script.map_or(usize::MAX, |s| s.steps.len());
+        self.faults.iter().try_for_each(|f| f.check(world_size, steps))
+    }
+
+    /// Whether every fault is benign (see [`Fault::is_benign`]).
+    pub fn is_benign(&self, timeout_ms: u64) -> bool {
+        self.faults.iter().all(|f| f.is_benign(timeout_ms))
+    }
+
+    /// One fault (or none, one time in eight) drawn from `seed` for a `world_size`-rank job
+    /// running a `steps`-collective script that starts by about `start_ms`.
+    pub fn random(seed: u64, world_size: u32, steps: usize, start_ms: u64) -> FaultPlan {
+        let mut rng = SplitMix64(seed ^ 0x5EED_F0A1_7000_0000);
+        let n = world_size.max(1);
+        let steps = steps.max(1);
+        let rank = |rng: &mut SplitMix64| rng.below(n as u64) as u32;
+        let link = |rng: &mut SplitMix64| {
+            let a = rng.below(n as u64) as u32;
+            let b = (a + 1 + rng.below(n.saturating_sub(1).max(1) as u64) as u32) % n;
+            (a, b)
+        };
+        let at = |rng: &mut SplitMix64| start_ms + rng.below(400);
+        let fault = match rng.below(11) {
+            0 => return FaultPlan::none(),
+            1 => Fault::Crash { rank: rank(&mut rng), at: Trigger::Collective(rng.below(steps as u64) as usize) },
+            2 => Fault::Crash { rank: rank(&mut rng), at: Trigger::AtMs(at(&mut rng)) },
+            3 => Fault::Hang { rank: rank(&mut rng), collective: rng.below(steps as u64) as usize },
+            4 => {
+                let (a, b) = link(&mut rng);
+                Fault::Partition { a, b, at_ms: at(&mut rng), until_ms: None }
+            }
+            5 => {
+                let at_ms = at(&mut rng);
+                Fault::Isolate { rank: rank(&mut rng), at_ms, until_ms: None }
+            }
+            6 => {
+                let (a, b) = link(&mut rng);
+                let at_ms = at(&mut rng);
+                Fault::Hold { a, b, at_ms, until_ms: Some(at_ms + 50 + rng.below(200)) }
+            }
+            7 => {
+                let (a, b) = link(&mut rng);
+                Fault::Latency { a, b, latency_ms: 1 + rng.below(20), at_ms: at(&mut rng) }
+            }
+            8 => Fault::Slow { rank: rank(&mut rng), delay_ms: 1 + rng.below(100) },
+            9 => {
+                let change = match rng.below(3) {
+                    0 => Change::Op(ScriptOp::ALL[rng.below(ScriptOp::ALL.len() as u64) as usize]),
+                    1 => Change::Numel(1 + rng.below(64) as usize),
+                    _ => Change::Dtype([DType::F64, DType::F16, DType::I32][rng.below(3) as usize]),
+                };
+                Fault::Desync { rank: rank(&mut rng), collective: rng.below(steps as u64) as usize, change }
+            }
+            _ => Fault::StoreCrash { at_ms: at(&mut rng) },
+        };
+        if world_size < 2 && fault.ranks().len() == 2 {
+            return FaultPlan::none();
+        }
+        FaultPlan::none().with(fault)
+    }
+}
+
+impl fmt::Display for FaultPlan {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        if self.faults.is_empty() {
+            return f.write_str("no faults");
+        }
+        let parts: Vec<String> = self.faults.iter().map(Fault::to_string).collect();
+        f.write_str(&parts.join("; "))
+    }
+}
+
+impl FromStr for FaultPlan {
+    type Err = String;
+    fn from_str(s: &str) -> Result<FaultPlan, String> {
+        let faults = s.split(';').filter(|p| !p.trim().is_empty()).map(str::parse).collect::<Result<_, _>>()?;
+        Ok(FaultPlan { faults })
+    }
+}
+
+/// SplitMix64: enough randomness to draw plans from a seed, reproducibly.
+#[derive(Debug, Clone)]
+pub(crate) struct SplitMix64(pub(crate) u64);
+
+impl SplitMix64 {
+    pub(crate) fn next_u64(&mut self) -> u64 {
+        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
+        let mut z = self.0;
+        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+        z ^ (z >> 31)
+    }
+
+    /// Uniform in `0..n` (n ≥ 1).
+    pub(crate) fn below(&mut self, n: u64) -> u64 {
+        self.next_u64() % n.max(1)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn every_fault_prints_in_the_syntax_it_parses_from() {
+        let text = "crash 2 @collective 3; crash 1 @500ms; hang 0 @collective 1; partition 0-1 @200ms until 900ms; \
+                    isolate 3 @10ms; hold 1-2 @5ms until 50ms; latency 0-3 20ms @100ms; slow 2 30ms; \
+                    desync 1 @collective 2 op=broadcast; desync 1 @collective 0 numel=7; \
+                    desync 0 @collective 1 dtype=f16; store-crash @300ms";
+        let plan: FaultPlan = text.parse().unwrap();
+        assert_eq!(plan.faults.len(), 12);
+        assert_eq!(plan.faults[1], Fault::Crash { rank: 1, at: Trigger::AtMs(500) });
+        assert_eq!(plan.faults[10], Fault::Desync { rank: 0, collective: 1, change: Change::Dtype(DType::F16) });
+        assert_eq!(plan.to_string().parse::<FaultPlan>().unwrap(), plan);
+        assert_eq!("crash 2 @ 500 ms".parse::<Fault>().unwrap(), Fault::Crash { rank: 2, at: Trigger::AtMs(500) });
+        assert_eq!(
+            "latency 0-1 5ms".parse::<Fault>().unwrap(),
+            Fault::Latency { a: 0, b: 1, latency_ms: 5, at_ms: 0 }
+        );
+        plan.validate(4, Some(&Script::allreduces(4, 8))).unwrap();
+    }
+
+    #[test]
+    fn bad_faults_name_what_is_wrong() {
+        let err = |s: &str| s.parse::<FaultPlan>().unwrap_err();
+        assert!(err("explode 1").contains("unknown fault \"explode\""));
+        assert!(err("crash x @5ms").contains("rank \"x\" is not a number"));
+        assert!(err("crash 1 @5").contains("expected \"ms\""));
+        assert!(err("partition 01 @5ms").contains("expected a link A-B"));
+        assert!(err("hold 0-1 @5ms until").contains("expected a time"));
+        assert!(err("desync 1 @collective 2 colour=red").contains("op=OP, numel=N or dtype=D"));
+        assert!(err("desync 1 @collective 2 op=allreduse").contains("unknown collective"));
+        assert!(err("slow 1 5ms extra").contains("unexpected \"extra\""));
+        let plan: FaultPlan = "crash 4 @collective 1; hang 0 @collective 9".parse().unwrap();
+        let e = plan.validate(4, Some(&Script::allreduces(3, 8))).unwrap_err();
+        assert!(e.contains("rank 4 is not a rank of a 4-rank world"), "{e}");
+        let plan: FaultPlan = "hang 0 @collective 9".parse().unwrap();
+        let e = plan.validate(4, Some(&Script::allreduces(3, 8))).unwrap_err();
+        assert!(e.contains("collective 9 is past the script's 3 steps"), "{e}");
+        let e = "partition 1-1 @5ms".parse::<FaultPlan>().unwrap().validate(4, None).unwrap_err();
+        assert!(e.contains("two different ranks"), "{e}");
+        let e = "hold 0-1 @50ms until 20ms".parse::<FaultPlan>().unwrap().validate(4, None).unwrap_err();
+        assert!(e.contains("must end after it starts"), "{e}");
+    }
+
+    #[test]
+    fn random_plans_are_a_function_of_the_seed_and_valid() {
+        let script = Script::allreduces(5, 16);
+        let mut kinds = std::collections::BTreeSet::new();
+        for seed in 0..500 {
+            let plan = FaultPlan::random(seed, 4, 5, 100);
+            assert_eq!(plan, FaultPlan::random(seed, 4, 5, 100));
+            plan.validate(4, Some(&script)).unwrap();
+            kinds.insert(plan.faults.first().map_or("none".to_owned(), |f| {
+                f.to_string().split_whitespace().next().unwrap().to_owned()
+            }));
+        }
+        assert_eq!(kinds.len(), 10, "every kind is drawn: {kinds:?}");
+    }
+}

@@ -1,0 +1,166 @@
+//! One rank of a multi-process test: `COHORT_TEST_SCENARIO` names what it does; torchrun's
+//! variables (`MASTER_ADDR`, `MASTER_PORT`, `RANK`, `WORLD_SIZE`) say who it is. It prints
+//! `ok` lines and `error` lines the tests read, and exits 0 when its part went as expected.
+
+use std::process::ExitCode;
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
+use cohort_core::{DType, ReduceOp, Tensor};
+use cohort_transports::tcp::init_process_group;
+use cohort_transports::{ProcessGroup, WorkError};
+
+fn wall_ns() -> u128 {
+    SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| d.as_nanos())
+}
+
+fn main() -> ExitCode {
+    let scenario = std::env::var("COHORT_TEST_SCENARIO").unwrap_or_default();
+    let pg = match init_process_group() {
+        Ok(pg) => pg,
+        Err(e) => {
+            println!("error init: {e}");
+            return ExitCode::from(3);
+        }
+    };
+    let result = match scenario.as_str() {
+        "p2p-ring" => p2p_ring(&pg),
+        "wait-for-last" => wait_for_last(&pg),
+        "collectives" => cohort_tests::collectives::run_all(&pg),
+        "ddp-lose-last" => ddp_lose_last(&pg),
+        "skip-collective" => skip_collective(&pg),
+        "monitored-barrier" => monitored_barrier(&pg),
+        other => Err(format!("unknown scenario {other:?}")),
+    };
+    match result {
+        Ok(()) => {
+            println!("ok {scenario}");
+            pg.shutdown();
+            ExitCode::SUCCESS
+        }
+        Err(e) => {
+            println!("error {e}");
+            ExitCode::from(1)
+        }
+    }
+}
+
+/// Every rank sends its rank to the next and receives from the previous.
+fn p2p_ring(pg: &ProcessGroup) -> Result<(), String> {
+    let (r, n) = (pg.rank().0, pg.world_size());
+    let recv = pg.recv(Tensor::from_slice(&[0i64]), (r + n - 1) % n, 0).map_err(|e| e.to_string())?;
+    pg.send(Tensor::from_slice(&[i64::from(r)]), (r + 1) % n, 0)
+        .map_err(|e| e.to_string())?
+        .wait()
+        .map_err(|e| e.to_string())?;
+    let got = recv.result().map_err(|e| e.to_string())?;
+    let want = Tensor::from_slice(&[i64::from((r + n - 1) % n)]);
+    if got != vec![want] {
+        return Err(format!("rank {r} received {got:?}"));
+    }
+    Ok(())
+}
+
+/// The last rank announces itself and then sleeps (the test SIGKILLs it); every other rank
+/// waits in a collective that needs it and reports when and how it learned of the death.
+fn wait_for_last(pg: &ProcessGroup) -> Result<(), String> {
+    let last = pg.world_size() - 1;
+    if pg.rank().0 == last {
+        println!("ready");
+        std::thread::sleep(Duration::from_secs(60));
+        return Err("was not killed".into());
+    }
+    let work = pg.allreduce(vec![Tensor::zeros(DType::F32, &[1024]).map_err(|e| e.to_string())?], ReduceOp::Sum);
+    let work = work.map_err(|e| e.to_string())?;
+    println!("ready");
+    match work.wait() {
+        Ok(()) => Err("the allreduce completed without the last rank".into()),
+        Err(e @ WorkError::Failed { .. }) => {
+            println!("noticed_ns {} culprit {:?} :: {e}", wall_ns(), e.culprit().map(|r| r.0));
+            Ok(())
+        }
+        Err(e) => Err(format!("unexpected: {e}")),
+    }
+}
+
+/// A DDP step with the bucketed reducer; then the last rank stops taking part (the test
+/// SIGKILLs it) and every other rank's next step must fail naming it.
+fn ddp_lose_last(pg: &ProcessGroup) -> Result<(), String> {
+    use cohort_transports::ddp::{AllreduceHook, BucketCaps, Reducer};
+    let shapes: Vec<Vec<usize>> = vec![vec![256, 256], vec![256], vec![512, 128], vec![128], vec![1000]];
+    let caps = BucketCaps { first: 64 << 10, rest: 256 << 10 };
+    let mut reducer = Reducer::with_caps(pg.clone(), shapes.clone(), DType::F32, Box::new(AllreduceHook), caps)
+        .map_err(|e| e.to_string())?;
+    let r = pg.rank().0;
+    let grad = |p: usize| {
+        let n: usize = shapes[p].iter().product();
+        Tensor::from_slice_shaped(&vec![(r + 1) as f32; n], &shapes[p]).expect("shape")
+    };
+    for p in (0..shapes.len()).rev() {
+        reducer.mark_ready(p, &grad(p)).map_err(|e| e.to_string())?;
+    }
+    let out = reducer.finish().map_err(|e| e.to_string())?;
+    let n = pg.world_size() as f32;
+    let want = (1..=pg.world_size()).sum::<u32>() as f32 / n;
+    if out.iter().any(|t| t.to_vec::<f32>().map_or(true, |v| v.iter().any(|x| *x != want))) {
+        return Err("the first step's average is wrong".into());
+    }
+    println!("step ok");
+    let last = pg.world_size() - 1;
+    if r == last {
+        println!("ready");
+        std::thread::sleep(Duration::from_secs(60));
+        return Err("was not killed".into());
+    }
+    println!("ready");
+    // Half the backward pass, a pause (the kill lands here), then the rest.
+    for p in (2..shapes.len()).rev() {
+        reducer.mark_ready(p, &grad(p)).map_err(|e| e.to_string())?;
+    }
+    std::thread::sleep(Duration::from_millis(300));
+    for p in (0..2).rev() {
+        reducer.mark_ready(p, &grad(p)).map_err(|e| e.to_string())?;
+    }
+    match reducer.finish() {
+        Ok(_) => Err("the step completed without the last rank".into()),
+        Err(e) => {
+            println!("step failed culprit {:?} :: {e}", e.culprit().map(|r| r.0));
+            Ok(())
+        }
+    }
+}
+
+/// The ranks `COHORT_TEST_SKIP` lists (comma-separated).
+fn skipped() -> Vec<u32> {
+    std::env::var("COHORT_TEST_SKIP").unwrap_or_default().split(',').filter_map(|s| s.trim().parse().ok()).collect()
+}
+
+/// Ranks in `COHORT_TEST_SKIP` never call the allreduce (they sleep 5 s); the others report
+/// how their allreduce failed.
+fn skip_collective(pg: &ProcessGroup) -> Result<(), String> {
+    if skipped().contains(&pg.rank().0) {
+        std::thread::sleep(Duration::from_secs(5));
+        return Ok(());
+    }
+    let t = Tensor::zeros(DType::F32, &[16]).map_err(|e| e.to_string())?;
+    match pg.allreduce(vec![t], ReduceOp::Sum).map_err(|e| e.to_string())?.wait() {
+        Ok(()) => Err("the allreduce completed without the skipping rank".into()),
+        Err(e) => {
+            println!("failed culprit {:?} :: {e}", e.culprit().map(|r| r.0));
+            Ok(())
+        }
+    }
+}
+
+/// Ranks in `COHORT_TEST_SKIP` never call the barrier (they sleep 3 s); the others run a
+/// monitored barrier of 1000 ms (waiting for all ranks) and print its outcome.
+fn monitored_barrier(pg: &ProcessGroup) -> Result<(), String> {
+    if skipped().contains(&pg.rank().0) {
+        std::thread::sleep(Duration::from_secs(3));
+        return Ok(());
+    }
+    match pg.monitored_barrier(Duration::from_millis(1000), true) {
+        Ok(()) => println!("passed"),
+        Err(e) => println!("barrier culprits {:?} :: {e}", e.culprits().iter().map(|r| r.0).collect::<Vec<_>>()),
+    }
+    Ok(())
+}

@@ -1,0 +1,31 @@
+//! # cohort-transports
+//!
+//! The runtime that drives `cohort-core` over real sockets and devices: the `ProcessGroup` and
+//! `Work` API, the TCPStore-compatible store, the TCP backend and (feature `nccl`) the NCCL
+//! backend. Under construction: see the README for what works today.
+//!
+//! | module | what it owns |
+//! |---|---|
+//! | [`ddp`] | DDP communication: `broadcast_coalesced`, `GradBucket`, comm hooks, the bucketed `Reducer` |
+//! | [`net`] | [`Net`]: listen and connect, over tokio ([`TokioNet`]) or a simulator |
+//! | [`tcp`] | [`ProcessGroup`] over a full mesh of TCP connections (the Gloo of cohort) |
+//! | [`work`] | [`Work`]: the handle every collective returns (wait, wait_timeout, await, abort, hooks) |
+//! | [`store`] | [`Store`], [`MemoryStore`], [`PrefixStore`], the [`TcpStore`] client and the [`TcpStoreServer`] |
+
+#![warn(missing_docs, missing_debug_implementations, unreachable_pub)]
+
+pub mod ddp;
+#[cfg(feature = "nccl")]
+pub mod nccl;
+pub mod net;
+pub mod store;
+pub mod tcp;
+pub mod work;
+
+pub use net::{Listener, Net, TokioListener, TokioNet};
+pub use store::{
+    MemoryStore, PrefixStore, Store, StoreError, StoreFuture, StoreServerError, TcpStore, TcpStoreConfig,
+    TcpStoreServer, TcpStoreServerConfig,
+};
+pub use tcp::{InitError, ProcessGroup, TcpOptions};
+pub use work::{Work, WorkError, WorkInfo};

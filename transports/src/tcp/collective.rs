@@ -1,0 +1,334 @@
+//! Collectives on the data plane: a user request becomes flat byte buffers and a
+//! [`ScheduleOp`], core's [`Executor`] runs the plan, and the final buffers become the user's
+//! output tensors.
+
+use bytes::Bytes;
+use cohort_core::reduce::{ReduceOp, Reduction};
+use cohort_core::schedule::{Executor, Plan, PlanOptions, ScheduleOp};
+use cohort_core::tensor::{DType, FlatSlot, HostBuffer, Tensor};
+use cohort_core::work::{Rank, SeqNo};
+
+/// What the user handed to a collective.
+#[derive(Debug)]
+pub(crate) enum Request {
+    Allreduce {
+        tensors: Vec<Tensor>,
+        op: ReduceOp,
+        coalesced: bool,
+    },
+    Broadcast {
+        tensors: Vec<Tensor>,
+        root: Rank,
+    },
+    Reduce {
+        tensors: Vec<Tensor>,
+        root: Rank,
+        op: ReduceOp,
+    },
+    Allgather {
+        input: Tensor,
+        into_tensor: bool,
+    },
+    AllgatherCoalesced {
+        inputs: Vec<Tensor>,
+    },
+    Gather {
+        input: Tensor,
+        root: Rank,
+    },
+    Scatter {
+        output: Tensor,
+        inputs: Vec<Tensor>,
+        root: Rank,
+    },
+    ReduceScatter {
+        inputs: Vec<Tensor>,
+        op: ReduceOp,
+        tensor: bool,
+    },
+    Alltoall {
+        outputs: Vec<Tensor>,
+        inputs: Vec<Tensor>,
+    },
+    AlltoallBase {
+        output: Tensor,
+        input: Tensor,
+        input_splits: Vec<usize>,
+        output_splits: Vec<usize>,
+    },
+    Barrier,
+    /// Taken by a running collective.
+    Taken,
+}
+
+impl Request {
+    pub(crate) fn allreduce(tensors: Vec<Tensor>, op: ReduceOp) -> Self {
+        Request::Allreduce { tensors, op, coalesced: false }
+    }
+    pub(crate) fn allreduce_coalesced(tensors: Vec<Tensor>, op: ReduceOp) -> Self {
+        Request::Allreduce { tensors, op, coalesced: true }
+    }
+    pub(crate) fn broadcast(tensors: Vec<Tensor>, root: Rank) -> Self {
+        Request::Broadcast { tensors, root }
+    }
+    pub(crate) fn reduce(tensors: Vec<Tensor>, root: Rank, op: ReduceOp) -> Self {
+        Request::Reduce { tensors, root, op }
+    }
+    pub(crate) fn allgather(input: Tensor, into_tensor: bool) -> Self {
+        Request::Allgather { input, into_tensor }
+    }
+    pub(crate) fn allgather_coalesced(inputs: Vec<Tensor>) -> Self {
+        Request::AllgatherCoalesced { inputs }
+    }
+    pub(crate) fn gather(input: Tensor, root: Rank) -> Self {
+        Request::Gather { input, root }
+    }
+    pub(crate) fn scatter(output: Tensor, inputs: Vec<Tensor>, root: Rank) -> Self {
+        Request::Scatter { output, inputs, root }
+    }
+    pub(crate) fn reduce_scatter(inputs: Vec<Tensor>, op: ReduceOp, tensor: bool) -> Self {
+        Request::ReduceScatter { inputs, op, tensor }
+    }
+    pub(crate) fn alltoall(outputs: Vec<Tensor>, inputs: Vec<Tensor>) -> Self {
+        Request::Alltoall { outputs, inputs }
+    }
+    pub(crate) fn alltoall_base(
+        output: Tensor,
+        input: Tensor,
+        input_splits: Vec<usize>,
+        output_splits: Vec<usize>,
+    ) -> Self {
+        Request::AlltoallBase { output, input, input_splits, output_splits }
+    }
+    pub(crate) fn barrier() -> Self {
+        Request::Barrier
+    }
+}
+
+/// How the final buffers become the user's tensors.
+#[derive(Debug)]
+enum Finish {
+    /// The data buffer is the result; give it to every tensor (flattened slots, or copies).
+    InPlace { tensors: Vec<Tensor>, slots: Option<Vec<FlatSlot>> },
+    /// The output buffer split into tensors of these shapes.
+    Split { dtype: DType, shapes: Vec<Vec<usize>> },
+    /// Nothing to hand back.
+    Nothing,
+}
+
+/// Where a running collective is.
+#[derive(Debug)]
+pub(crate) enum Step {
+    /// Waiting for these ranks' parts.
+    Waiting(Vec<Rank>),
+    /// Finished; call [`CollectiveRun::finish`].
+    Done,
+}
+
+/// One rank's run of one collective.
+#[derive(Debug)]
+pub(crate) struct CollectiveRun {
+    seq: SeqNo,
+    exec: Executor,
+    finish: Finish,
+}
+
+fn concat(tensors: &[Tensor]) -> Vec<u8> {
+    let mut out = Vec::with_capacity(tensors.iter().map(Tensor::nbytes).sum());
+    for t in tensors {
+        out.extend_from_slice(t.bytes());
+    }
+    out
+}
+
+fn numels(tensors: &[Tensor]) -> Vec<usize> {
+    tensors.iter().map(Tensor::numel).collect()
+}
+
+impl CollectiveRun {
+    /// Build the plan and the executor for this rank's part.
+    pub(crate) fn start(request: &mut Request, me: Rank, world: u32, seq: SeqNo) -> Result<Self, String> {
+        let n = world as usize;
+        let request = std::mem::replace(request, Request::Taken);
+        let err = |e: &dyn std::fmt::Display| e.to_string();
+        // (op, reduction, data, output length in bytes, element size, how to finish)
+        let (op, reduction, data, out_len, elem, finish) = match request {
+            Request::Allreduce { tensors, op, coalesced } => {
+                let dtype = tensors.first().map(Tensor::dtype).ok_or("allreduce: no tensors")?;
+                let red = Reduction::new(op, dtype).map_err(|e| err(&e))?;
+                let (data, slots) = if coalesced {
+                    let (flat, slots) = Tensor::flatten(&tensors).map_err(|e| err(&e))?;
+                    (flat.bytes().to_vec(), Some(slots))
+                } else {
+                    // Several tensors on one rank are reduced together first (as Gloo does).
+                    let mut acc = tensors[0].bytes().to_vec();
+                    for t in &tensors[1..] {
+                        red.combine(&mut acc, t.bytes()).map_err(|e| err(&e))?;
+                    }
+                    (acc, None)
+                };
+                let count = data.len() / dtype.size();
+                (ScheduleOp::Allreduce { count }, Some(red), data, 0, dtype.size(), Finish::InPlace { tensors, slots })
+            }
+            Request::Broadcast { tensors, root } => {
+                let first = tensors.first().ok_or("broadcast: no tensors")?;
+                let (count, es, data) = (first.numel(), first.element_size(), first.bytes().to_vec());
+                (ScheduleOp::Broadcast { count, root }, None, data, 0, es, Finish::InPlace { tensors, slots: None })
+            }
+            Request::Reduce { tensors, root, op } => {
+                let dtype = tensors.first().map(Tensor::dtype).ok_or("reduce: no tensors")?;
+                let red = Reduction::new(op, dtype).map_err(|e| err(&e))?;
+                let mut acc = tensors[0].bytes().to_vec();
+                for t in &tensors[1..] {
+                    red.combine(&mut acc, t.bytes()).map_err(|e| err(&e))?;
+                }
+                let count = acc.len() / dtype.size();
+                (
+                    ScheduleOp::Reduce { count, root },
+                    Some(red),
+                    acc,
+                    0,
+                    dtype.size(),
+                    Finish::InPlace { tensors, slots: None },
+                )
+            }
+            Request::Allgather { input, into_tensor } => {
+                let (dtype, numel) = (input.dtype(), input.numel());
+                let shapes = if into_tensor { vec![vec![numel * n]] } else { vec![input.shape().to_vec(); n] };
+                let op = ScheduleOp::Allgather { counts: vec![numel; n] };
+                (op, None, input.bytes().to_vec(), input.nbytes() * n, dtype.size(), Finish::Split { dtype, shapes })
+            }
+            Request::AllgatherCoalesced { inputs } => {
+                // One allgather of the inputs back to back; every rank's piece splits into its
+                // tensors again, rank by rank.
+                let dtype = inputs.first().map(Tensor::dtype).ok_or("allgather_coalesced: no tensors")?;
+                if let Some((i, t)) = inputs.iter().enumerate().find(|(_, t)| t.dtype() != dtype) {
+                    return Err(format!(
+                        "allgather_coalesced: tensor {i} has dtype {}, tensor 0 has {dtype}",
+                        t.dtype()
+                    ));
+                }
+                let data = concat(&inputs);
+                let numel = data.len() / dtype.size();
+                let shapes = (0..n).flat_map(|_| inputs.iter().map(|t| t.shape().to_vec())).collect();
+                let op = ScheduleOp::Allgather { counts: vec![numel; n] };
+                let out_len = data.len() * n;
+                (op, None, data, out_len, dtype.size(), Finish::Split { dtype, shapes })
+            }
+            Request::Gather { input, root } => {
+                let (dtype, numel) = (input.dtype(), input.numel());
+                let (out_len, finish) = if me == root {
+                    (input.nbytes() * n, Finish::Split { dtype, shapes: vec![input.shape().to_vec(); n] })
+                } else {
+                    (0, Finish::Nothing)
+                };
+                let op = ScheduleOp::Gather { counts: vec![numel; n], root };
+                (op, None, input.bytes().to_vec(), out_len, dtype.size(), finish)
+            }
+            Request::Scatter { output, inputs, root } => {
+                let dtype = output.dtype();
+                let data = if me == root { concat(&inputs) } else { Vec::new() };
+                let op = ScheduleOp::Scatter { counts: vec![output.numel(); n], root };
+                let finish = Finish::Split { dtype, shapes: vec![output.shape().to_vec()] };
+                (op, None, data, output.nbytes(), dtype.size(), finish)
+            }
+            Request::ReduceScatter { inputs, op, tensor } => {
+                let dtype = inputs.first().map(Tensor::dtype).ok_or("reduce_scatter: no tensors")?;
+                let red = Reduction::new(op, dtype).map_err(|e| err(&e))?;
+                let (counts, shape) = if tensor {
+                    let counts = ScheduleOp::equal_counts(world, inputs[0].numel()).map_err(|e| err(&e))?;
+                    let k = counts[0];
+                    (counts, vec![k])
+                } else {
+                    (numels(&inputs), inputs[me.index()].shape().to_vec())
+                };
+                let out_len = counts[me.index()] * dtype.size();
+                let finish = Finish::Split { dtype, shapes: vec![shape] };
+                (ScheduleOp::ReduceScatter { counts }, Some(red), concat(&inputs), out_len, dtype.size(), finish)
+            }
+            Request::Alltoall { outputs, inputs } => {
+                let dtype = inputs.first().map(Tensor::dtype).ok_or("alltoall: no tensors")?;
+                let op = ScheduleOp::Alltoall { send_counts: numels(&inputs), recv_counts: numels(&outputs) };
+                let out_len = outputs.iter().map(Tensor::nbytes).sum();
+                let shapes = outputs.iter().map(|t| t.shape().to_vec()).collect();
+                (op, None, concat(&inputs), out_len, dtype.size(), Finish::Split { dtype, shapes })
+            }
+            Request::AlltoallBase { output, input, input_splits, output_splits } => {
+                let dtype = input.dtype();
+                let op = ScheduleOp::alltoall_base(world, input.numel(), output.numel(), &input_splits, &output_splits)
+                    .map_err(|e| err(&e))?;
+                let finish = Finish::Split { dtype, shapes: vec![output.shape().to_vec()] };
+                (op, None, input.bytes().to_vec(), output.nbytes(), dtype.size(), finish)
+            }
+            Request::Barrier => (ScheduleOp::Barrier, None, Vec::new(), 0, 1, Finish::Nothing),
+            Request::Taken => return Err("collective started twice".into()),
+        };
+        let plan = Plan::new(&op, me, world, elem, PlanOptions::default()).map_err(|e| err(&e))?;
+        if plan.output_len() != out_len {
+            return Err(format!(
+                "{}: the outputs hold {out_len} bytes, the plan needs {}",
+                plan.op_name(),
+                plan.output_len()
+            ));
+        }
+        let exec = Executor::new(plan, reduction, HostBuffer::from_bytes(&data)).map_err(|e| err(&e))?;
+        Ok(CollectiveRun { seq, exec, finish })
+    }
+
+    pub(crate) fn seq(&self) -> SeqNo {
+        self.seq
+    }
+
+    /// A chunk arrived. Drain [`CollectiveRun::poll_send`] next, then ask [`CollectiveRun::step`].
+    pub(crate) fn handle_recv(&mut self, from: Rank, step: u32, payload: &[u8]) -> Result<(), String> {
+        self.exec.handle_recv(from, step, payload).map_err(|e| e.to_string())
+    }
+
+    /// Where the run is; accurate once [`CollectiveRun::poll_send`] has returned `None`.
+    pub(crate) fn step(&self) -> Step {
+        if self.exec.is_done() { Step::Done } else { Step::Waiting(self.exec.waiting_on()) }
+    }
+
+    /// The next chunk to send: (peer, step, bytes).
+    pub(crate) fn poll_send(&mut self) -> Option<(Rank, u32, Bytes)> {
+        let out = self.exec.poll_send()?;
+        let bytes = Bytes::copy_from_slice(self.exec.payload(&out));
+        Some((out.to, out.step, bytes))
+    }
+
+    /// The output tensors.
+    pub(crate) fn finish(self) -> Result<Vec<Tensor>, String> {
+        let (data, output) = self.exec.into_buffers();
+        let (data, output) = (data.as_bytes(), output.as_bytes());
+        match self.finish {
+            Finish::InPlace { mut tensors, slots } => {
+                match slots {
+                    Some(slots) => {
+                        let dtype = tensors[0].dtype();
+                        let flat =
+                            Tensor::from_bytes(dtype, &[data.len() / dtype.size()], data).map_err(|e| e.to_string())?;
+                        tensors = flat.unflatten(&slots).map_err(|e| e.to_string())?;
+                    }
+                    None => {
+                        for t in &mut tensors {
+                            t.bytes_mut().copy_from_slice(data);
+                        }
+                    }
+                }
+                Ok(tensors)
+            }
+            Finish::Split { dtype, shapes } => {
+                let mut out = Vec::with_capacity(shapes.len());
+                let mut at = 0;
+                for shape in shapes {
+                    let len = shape.iter().product::<usize>() * dtype.size();
+                    let bytes = output.get(at..at + len).ok_or("output buffer shorter than the outputs")?;
+                    out.push(Tensor::from_bytes(dtype, &shape, bytes).map_err(|e| e.to_string())?);
+                    at += len;
+                }
+                Ok(out)
+            }
+            Finish::Nothing => Ok(Vec::new()),
+        }
+    }
+}

@@ -1,0 +1,494 @@
+//! Connecting a group: rendezvous through the store, a full mesh of checked connections, and
+//! the tasks that serve them.
+//!
+//! Every rank listens, publishes `cohort/pg<G>/addr/<rank>` = `ip:port`, then dials every lower
+//! rank and accepts every higher one. On each connection both sides write their
+//! [`Handshake`], read the other's, check it and answer with a [`HandshakeReply`], so both
+//! learn why a connection was refused (wrong world size, wrong group, duplicate rank…).
+
+use std::collections::BTreeMap;
+use std::net::SocketAddr;
+use std::sync::{Arc, Mutex, RwLock};
+use std::time::Duration;
+
+use cohort_core::group::{GroupConfig, GroupState};
+use cohort_core::protocol::{
+    FrameLimits, HANDSHAKE_LEN, Handshake, HandshakeError, HandshakeExpectation, HandshakeReply, REPLY_PREFIX_LEN,
+    ReplyPrefix,
+};
+use cohort_core::recorder::RecorderConfig;
+use cohort_core::work::{GroupId, Rank};
+use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
+use tokio::sync::{Notify, mpsc};
+
+use super::link::{self, Outbound};
+use super::options::TcpOptions;
+use super::state::{DriverState, Effects};
+use super::{Inner, ProcessGroup, now};
+use crate::net::{Listener, Net};
+use crate::store::{Store, StoreError};
+
+/// Why a group could not be created.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum InitError {
+    /// Rank or world size out of range.
+    #[error("invalid rank {rank} for world size {world_size}")]
+    BadRank {
+        /// The rank.
+        rank: u32,
+        /// The world size.
+        world_size: u32,
+    },
+    /// The environment is incomplete or malformed.
+    #[error("{0}")]
+    Env(String),
+    /// The store failed.
+    #[error("store error during rendezvous: {0}")]
+    Store(#[from] StoreError),
+    /// Could not listen.
+    #[error("cannot listen on {addr}: {source}")]
+    Bind {
+        /// The address.
+        addr: SocketAddr,
+        /// The error.
+        source: std::io::Error,
+    },
+    /// Not every rank arrived before the init timeout.
+    #[error("timed out after {} ms waiting for ranks: {joined}/{world_size} ranks joined; missing: {missing:?}", timeout.as_millis())]
+    Missing {
+        /// Ranks that published their address.
+        joined: u32,
+        /// The world size.
+        world_size: u32,
+        /// Ranks that did not.
+        missing: Vec<u32>,
+        /// The init timeout.
+        timeout: Duration,
+    },
+    /// A peer published its address but could not be reached.
+    #[error("cannot connect to rank {rank} at {addr} within {} ms: {reason}", timeout.as_millis())]
+    Unreachable {
+        /// The peer.
+        rank: u32,
+        /// Its address.
+        addr: String,
+        /// The last error.
+        reason: String,
+        /// The init timeout.
+        timeout: Duration,
+    },
+    /// A handshake failed.
+    #[error("handshake with {peer} failed: {source}")]
+    Handshake {
+        /// Who: "rank 2" or the remote address.
+        peer: String,
+        /// Why.
+        source: HandshakeError,
+    },
+}
+
+pub(crate) fn group_prefix(gid: GroupId) -> String {
+    format!("cohort/pg{gid}/")
+}
+
+pub(crate) fn error_key(gid: GroupId) -> String {
+    format!("{}error", group_prefix(gid))
+}
+
+fn addr_key(gid: GroupId, rank: u32) -> String {
+    format!("{}addr/{rank}", group_prefix(gid))
+}
+
+impl ProcessGroup {
+    /// Connect rank `rank` of a `world_size`-rank group through `store` (group 0, the default
+    /// group). Every rank calls this with the same store and world size. Must be called inside
+    /// a tokio runtime (or turmoil host); the group's tasks run there.
+    pub async fn connect<N: Net>(
+        net: N,
+        store: Arc<dyn Store>,
+        rank: u32,
+        world_size: u32,
+        opts: TcpOptions,
+    ) -> Result<ProcessGroup, InitError> {
+        Self::connect_group(net, store, GroupId(0), rank, world_size, opts).await
+    }
+
+    /// [`ProcessGroup::connect`] for a group with its own id (sub-groups, splits).
+    pub async fn connect_group<N: Net>(
+        net: N,
+        store: Arc<dyn Store>,
+        gid: GroupId,
+        rank: u32,
+        world_size: u32,
+        opts: TcpOptions,
+    ) -> Result<ProcessGroup, InitError> {
+        if world_size == 0 || rank >= world_size {
+            return Err(InitError::BadRank { rank, world_size });
+        }
+        let me = Rank(rank);
+        let streams = mesh(&net, store.as_ref(), gid, me, world_size, &opts).await?;
+
+        let mut cfg = GroupConfig::new(world_size);
+        cfg.group_id = gid;
+        cfg.name = gid.0.to_string();
+        cfg.desc = if gid.0 == 0 { "default_pg".into() } else { format!("group {gid}") };
+        cfg.timeout = opts.timeout;
+        cfg.error_handling = opts.error_handling;
+        cfg.heartbeat = opts.heartbeat;
+        cfg.max_in_flight = opts.max_in_flight;
+        cfg.recorder = RecorderConfig::new(opts.trace_buffer_size);
+        cfg.backend = super::BACKEND_NAME.into();
+        // The recorder's wall-clock anchor, read beside the group's epoch. It only appears in
+        // dumps, never in decisions; the simulator fixes it so that dumps replay byte for byte.
+        cfg.wall_epoch_ns = opts.wall_clock_anchor_ns.unwrap_or_else(|| {
+            std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_nanos() as u64)
+        });
+        let group = GroupState::new(cfg, me, now());
+
+        let limits = FrameLimits::new(opts.max_frame);
+        let mut writers = Vec::with_capacity(world_size as usize);
+        let mut halves = Vec::new();
+        for (peer, stream) in streams.into_iter().enumerate() {
+            match stream {
+                Some(s) => {
+                    let (r, w) = tokio::io::split(s);
+                    let (tx, rx) = mpsc::unbounded_channel::<Outbound>();
+                    writers.push(Some(tx));
+                    halves.push((Rank(peer as u32), r, w, rx));
+                }
+                None => writers.push(None),
+            }
+        }
+        let inner = Arc::new_cyclic(|weak: &std::sync::Weak<Inner>| {
+            let weak = weak.clone();
+            let on_written: super::state::OnWritten = Arc::new(move |id, to, outcome| {
+                if let Some(inner) = weak.upgrade() {
+                    inner.input(|st, fx| st.handle_written(now(), id, to, outcome, fx));
+                }
+            });
+            Inner {
+                rank: me,
+                world_size,
+                group_id: gid,
+                opts,
+                state: Mutex::new(DriverState::new(group, writers, on_written)),
+                timer: Notify::new(),
+                hook: RwLock::new(None),
+                store,
+                runtime: tokio::runtime::Handle::current(),
+                tasks: Mutex::new(Vec::new()),
+                writers: Mutex::new(Vec::new()),
+            }
+        });
+        let weak = Arc::downgrade(&inner);
+        let mut tasks = Vec::new();
+        let mut writer_tasks = Vec::new();
+        for (peer, r, w, rx) in halves {
+            let (err_tx, mut err_rx) = mpsc::unbounded_channel();
+            writer_tasks.push(tokio::spawn(link::run_writer(me, peer, w, rx, err_tx)));
+            let weak_r = weak.clone();
+            tasks.push(tokio::spawn(async move {
+                link::run_reader(peer, r, limits, |inbound| {
+                    let Some(inner) = weak_r.upgrade() else { return false };
+                    inner.input(|st, fx| deliver(st, fx, inbound));
+                    true
+                })
+                .await
+            }));
+            let weak_e = weak.clone();
+            tasks.push(tokio::spawn(async move {
+                while let Some(inbound) = err_rx.recv().await {
+                    let Some(inner) = weak_e.upgrade() else { return };
+                    inner.input(|st, fx| deliver(st, fx, inbound));
+                }
+            }));
+        }
+        tasks.push(tokio::spawn(run_timer(weak.clone())));
+        tasks.push(tokio::spawn(watch_store_errors(weak)));
+        *inner.tasks.lock().unwrap_or_else(|p| p.into_inner()) = tasks;
+        *inner.writers.lock().unwrap_or_else(|p| p.into_inner()) = writer_tasks;
+        inner.timer.notify_one();
+        Ok(ProcessGroup::from_inner(inner))
+    }
+}
+
+fn deliver(st: &mut DriverState, fx: &mut Effects, inbound: link::Inbound) {
+    match inbound {
+        link::Inbound::Frame { from, header, payload } => st.handle_frame(now(), from, header, payload, fx),
+        link::Inbound::Closed { from, reason, clean } => st.handle_closed(now(), from, reason, clean, fx),
+    }
+}
+
+/// Sleep until the core's next deadline, fire it, repeat; woken early when a new input may
+/// have moved the deadline.
+async fn run_timer(weak: std::sync::Weak<Inner>) {
+    loop {
+        let (deadline, notified) = {
+            let Some(inner) = weak.upgrade() else { return };
+            let deadline = inner.lock().group.poll_timeout();
+            (deadline, inner_notified(&inner))
+        };
+        let sleep = async {
+            match deadline {
+                Some(d) => tokio::time::sleep_until(tokio::time::Instant::from_std(d)).await,
+                None => std::future::pending().await,
+            }
+        };
+        tokio::select! {
+            biased;
+            () = notified => continue,
+            () = sleep => {
+                let Some(inner) = weak.upgrade() else { return };
+                inner.input(|st, fx| st.handle_timeout(now(), fx));
+            }
+        }
+    }
+}
+
+/// A future that resolves at the next `timer.notify_one()`; holds only a weak reference.
+fn inner_notified(inner: &Arc<Inner>) -> impl std::future::Future<Output = ()> + use<> {
+    let inner = inner.clone();
+    async move { inner.timer.notified().await }
+}
+
+/// Learn of failures published through the store by ranks this one may not hear from.
+async fn watch_store_errors(weak: std::sync::Weak<Inner>) {
+    let (store, key, interval) = {
+        let Some(inner) = weak.upgrade() else { return };
+        let interval = inner.opts.heartbeat.map_or(Duration::from_secs(1), |h| h.interval);
+        (inner.store.clone(), error_key(inner.group_id), interval)
+    };
+    loop {
+        tokio::time::sleep(interval).await;
+        let Some(inner) = weak.upgrade() else { return };
+        if inner.lock().group.failure().is_some() || inner.lock().group.is_aborted() {
+            return;
+        }
+        drop(inner);
+        if !matches!(store.check(&[key.as_str()]).await, Ok(true)) {
+            continue;
+        }
+        let Ok(value) = store.get(&key).await else { continue };
+        let text = String::from_utf8_lossy(&value).into_owned();
+        let (origin, message) = text.split_once('\n').unwrap_or(("", &text));
+        let Ok(origin) = origin.parse::<u32>() else { continue };
+        let Some(inner) = weak.upgrade() else { return };
+        if origin == inner.rank.0 {
+            return;
+        }
+        let message = format!("(learned through the store) {message}");
+        inner.input(|st, fx| st.handle_remote_error(now(), Rank(origin), message, fx));
+        return;
+    }
+}
+
+/// Build the full mesh: one stream per peer (`None` at this rank's own index).
+async fn mesh<N: Net>(
+    net: &N,
+    store: &dyn Store,
+    gid: GroupId,
+    me: Rank,
+    world_size: u32,
+    opts: &TcpOptions,
+) -> Result<Vec<Option<N::Stream>>, InitError> {
+    let mut streams: Vec<Option<N::Stream>> = (0..world_size).map(|_| None).collect();
+    if world_size == 1 {
+        return Ok(streams);
+    }
+    let bind = SocketAddr::new(opts.bind_addr, 0);
+    let listener = net.bind(bind).await.map_err(|source| InitError::Bind { addr: bind, source })?;
+    let local = listener.local_addr().map_err(|source| InitError::Bind { addr: bind, source })?;
+    let published = SocketAddr::new(opts.bind_addr, local.port());
+    store.set(&addr_key(gid, me.0), published.to_string().as_bytes()).await?;
+
+    let expect = HandshakeExpectation::new(gid, me, world_size);
+    let deadline = tokio::time::Instant::now() + opts.init_timeout;
+    let higher = world_size - me.0 - 1;
+
+    // Accept every higher rank while dialing every lower one. Each accepted connection does
+    // its handshake in its own task, bounded in time, so that a connection that never speaks
+    // (or speaks garbage) holds up nobody: it is dropped with a warning. Only a rank of this
+    // job that is misconfigured (wrong world size, impossible rank) fails the rendezvous.
+    let accept = async {
+        let mut got: BTreeMap<u32, N::Stream> = BTreeMap::new();
+        let mut pending: tokio::task::JoinSet<(SocketAddr, N::Stream, Result<Rank, HandshakeFailure>)> =
+            tokio::task::JoinSet::new();
+        while (got.len() as u32) < higher {
+            tokio::select! {
+                biased;
+                done = pending.join_next(), if !pending.is_empty() => {
+                    let Some(Ok((remote, stream, result))) = done else { continue };
+                    match result {
+                        Ok(peer) if peer.0 > me.0 && !got.contains_key(&peer.0) => {
+                            got.insert(peer.0, stream);
+                        }
+                        Ok(peer) => tracing::warn!(%remote, "dropping a second connection claiming rank {peer}"),
+                        Err(HandshakeFailure::Refused(e)) if is_misconfigured_rank(&e) => {
+                            tracing::warn!(%remote, "refused a connection: {e}");
+                            return Err(InitError::Handshake { peer: remote.to_string(), source: e });
+                        }
+                        Err(e) => tracing::warn!(%remote, "dropped a connection that is no rank of this group: {e}"),
+                    }
+                }
+                accepted = tokio::time::timeout_at(deadline, listener.accept()) => match accepted {
+                    Ok(Ok((stream, remote))) => {
+                        let limit = HANDSHAKE_TIMEOUT.min(opts.init_timeout);
+                        pending.spawn(async move {
+                            let mut stream = stream;
+                            let result = match tokio::time::timeout(limit, handshake(&mut stream, &expect, None)).await {
+                                Ok(r) => r,
+                                Err(_) => Err(HandshakeFailure::Io(std::io::Error::new(
+                                    std::io::ErrorKind::TimedOut,
+                                    format!("no handshake within {} ms", limit.as_millis()),
+                                ))),
+                            };
+                            (remote, stream, result)
+                        });
+                    }
+                    Ok(Err(e)) => tracing::warn!("accept failed: {e}"),
+                    Err(_) => break,
+                },
+            }
+        }
+        Ok(got)
+    };
+    let dial = async {
+        let mut got: BTreeMap<u32, N::Stream> = BTreeMap::new();
+        for peer in 0..me.0 {
+            let key = addr_key(gid, peer);
+            let remaining = deadline.saturating_duration_since(tokio::time::Instant::now());
+            if store.wait(&[key.as_str()], remaining).await.is_err() {
+                return Err(missing(store, gid, world_size, opts.init_timeout).await);
+            }
+            let value = store.get(&key).await?;
+            let text = String::from_utf8_lossy(&value).into_owned();
+            let addr: SocketAddr = text.parse().map_err(|_| InitError::Unreachable {
+                rank: peer,
+                addr: text.clone(),
+                reason: "the published address does not parse".into(),
+                timeout: opts.init_timeout,
+            })?;
+            let mut backoff = Duration::from_millis(5);
+            let stream = loop {
+                // One attempt (connect, then handshake), bounded by the init deadline: a peer
+                // behind a partition never answers, and must not hold init past its timeout.
+                let attempt = async {
+                    match net.connect(&addr.ip().to_string(), addr.port()).await {
+                        Ok(mut s) => match handshake(&mut s, &expect.with_peer(Rank(peer)), Some(Rank(peer))).await {
+                            Ok(_) => Ok(s),
+                            Err(HandshakeFailure::Refused(e)) => Err(Err(e)),
+                            Err(e) => Err(Ok(e.to_string())),
+                        },
+                        Err(e) => Err(Ok(e.to_string())),
+                    }
+                };
+                let err = match tokio::time::timeout_at(deadline, attempt).await {
+                    Ok(Ok(s)) => break s,
+                    Ok(Err(Err(e))) => {
+                        return Err(InitError::Handshake { peer: format!("rank {peer}"), source: e });
+                    }
+                    Ok(Err(Ok(e))) => e,
+                    Err(_) => "no answer before the init timeout".to_owned(),
+                };
+                if tokio::time::Instant::now() + backoff >= deadline {
+                    return Err(InitError::Unreachable {
+                        rank: peer,
+                        addr: text,
+                        reason: err,
+                        timeout: opts.init_timeout,
+                    });
+                }
+                tokio::time::sleep(backoff).await;
+                backoff = (backoff * 2).min(Duration::from_millis(500));
+            };
+            got.insert(peer, stream);
+        }
+        Ok(got)
+    };
+    let (accepted, dialed) = tokio::join!(accept, dial);
+    let (accepted, dialed) = (accepted?, dialed?);
+    if (accepted.len() as u32) < higher {
+        return Err(missing(store, gid, world_size, opts.init_timeout).await);
+    }
+    for (peer, s) in accepted.into_iter().chain(dialed) {
+        streams[peer as usize] = Some(s);
+    }
+    Ok(streams)
+}
+
+/// How long an accepted connection may take to send its handshake.
+const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// Whether a refused handshake came from a rank of this job that is set up wrongly (which
+/// fails the rendezvous on both sides at once, rather than at the init timeout), as opposed
+/// to something that is not a rank of this group at all (dropped with a warning).
+fn is_misconfigured_rank(e: &HandshakeError) -> bool {
+    matches!(
+        e,
+        HandshakeError::WorldSizeMismatch { .. }
+            | HandshakeError::RankOutOfRange { .. }
+            | HandshakeError::RankIsSelf { .. }
+    )
+}
+
+/// How a handshake went wrong: the connection (worth retrying) or the peer's answer (not).
+#[derive(Debug)]
+enum HandshakeFailure {
+    Io(std::io::Error),
+    Refused(HandshakeError),
+}
+
+impl From<HandshakeError> for HandshakeFailure {
+    fn from(e: HandshakeError) -> Self {
+        HandshakeFailure::Refused(e)
+    }
+}
+
+impl std::fmt::Display for HandshakeFailure {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            HandshakeFailure::Io(e) => write!(f, "connection failed during the handshake: {e}"),
+            HandshakeFailure::Refused(e) => write!(f, "{e}"),
+        }
+    }
+}
+
+async fn missing(store: &dyn Store, gid: GroupId, world_size: u32, timeout: Duration) -> InitError {
+    let mut missing = Vec::new();
+    for r in 0..world_size {
+        if !matches!(store.check(&[addr_key(gid, r).as_str()]).await, Ok(true)) {
+            missing.push(r);
+        }
+    }
+    InitError::Missing { joined: world_size - missing.len() as u32, world_size, missing, timeout }
+}
+
+/// Exchange and check handshakes on a fresh connection; returns the peer's rank.
+async fn handshake<S: AsyncRead + AsyncWrite + Unpin>(
+    stream: &mut S,
+    expect: &HandshakeExpectation,
+    _dialed: Option<Rank>,
+) -> Result<Rank, HandshakeFailure> {
+    let io = HandshakeFailure::Io;
+    stream.write_all(&expect.handshake(0).encode()).await.map_err(io)?;
+    stream.flush().await.map_err(io)?;
+    let mut buf = [0u8; HANDSHAKE_LEN];
+    stream.read_exact(&mut buf).await.map_err(io)?;
+    let verdict = Handshake::decode(&buf).and_then(|hs| hs.check(expect).map(|()| hs.rank));
+    let reply = match &verdict {
+        Ok(_) => HandshakeReply::Accept,
+        Err(e) => HandshakeReply::reject(e),
+    };
+    stream.write_all(&reply.encode()).await.map_err(io)?;
+    stream.flush().await.map_err(io)?;
+    let mut prefix = [0u8; REPLY_PREFIX_LEN];
+    stream.read_exact(&mut prefix).await.map_err(io)?;
+    let prefix = ReplyPrefix::decode(&prefix)?;
+    let mut msg = vec![0u8; prefix.message_len()];
+    stream.read_exact(&mut msg).await.map_err(io)?;
+    let theirs = prefix.finish(&msg)?;
+    let rank = verdict?;
+    theirs.into_result()?;
+    Ok(rank)
+}

@@ -1,0 +1,202 @@
+//! One connection to one peer: a reader task that decodes frames and a writer task that sends
+//! them. Both report to the group's driver through channels; neither makes a decision.
+
+use std::io;
+
+use bytes::Bytes;
+use cohort_core::protocol::{FrameHeader, FrameKind, FrameLimits, HEADER_LEN};
+use cohort_core::work::Rank;
+use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt, BufReader};
+use tokio::sync::mpsc;
+
+/// Payloads up to this size are copied next to their header and written with one call; larger
+/// ones go out as header then payload, without a copy.
+const COALESCE_LIMIT: usize = 64 * 1024;
+
+/// What a reader hands the driver.
+#[derive(Debug)]
+pub(crate) enum Inbound {
+    /// A frame arrived.
+    Frame {
+        /// The peer.
+        from: Rank,
+        /// Its header (already validated).
+        header: FrameHeader,
+        /// Its payload.
+        payload: Vec<u8>,
+    },
+    /// The connection ended: EOF, reset, a malformed frame, or a goodbye.
+    Closed {
+        /// The peer.
+        from: Rank,
+        /// Why, in words for the error message.
+        reason: String,
+        /// Whether the peer said goodbye first (a clean shutdown, not a failure).
+        clean: bool,
+    },
+}
+
+/// Called once a frame is on the socket (`Ok`) or can no longer get there (`Err`).
+pub(crate) type Written = Box<dyn FnOnce(Result<(), String>) + Send + Sync>;
+
+/// A frame to send: header plus payload, and who wants to know when it is written.
+pub(crate) struct Outbound {
+    pub(crate) header: FrameHeader,
+    pub(crate) payload: Bytes,
+    pub(crate) written: Option<Written>,
+}
+
+impl std::fmt::Debug for Outbound {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Outbound").field("header", &self.header).field("len", &self.payload.len()).finish()
+    }
+}
+
+/// Read frames from `stream` until it ends, handing each to `deliver` (which returns false
+/// once nobody listens any more).
+pub(crate) async fn run_reader<R>(from: Rank, stream: R, limits: FrameLimits, mut deliver: impl FnMut(Inbound) -> bool)
+where
+    R: AsyncRead + Unpin,
+{
+    let mut reader = BufReader::with_capacity(256 * 1024, stream);
+    let mut head = [0u8; HEADER_LEN];
+    loop {
+        if let Err(e) = reader.read_exact(&mut head).await {
+            let reason = describe_read_error(&e, true);
+            let _ = deliver(Inbound::Closed { from, reason, clean: false });
+            return;
+        }
+        let header = match FrameHeader::decode(&head, &limits) {
+            Ok(h) => h,
+            Err(e) => {
+                let _ = deliver(Inbound::Closed {
+                    from,
+                    reason: format!("malformed frame from rank {from}: {e}"),
+                    clean: false,
+                });
+                return;
+            }
+        };
+        if header.source != from {
+            let reason = format!("frame on rank {from}'s connection claims to come from rank {}", header.source);
+            let _ = deliver(Inbound::Closed { from, reason, clean: false });
+            return;
+        }
+        // The length was checked against the frame limit by decode.
+        let len = usize::try_from(header.payload_len).unwrap_or(usize::MAX);
+        let mut payload = Vec::new();
+        if len > 0 {
+            if let Err(e) = payload.try_reserve_exact(len) {
+                let _ = deliver(Inbound::Closed {
+                    from,
+                    reason: format!("cannot allocate {len} bytes for a frame from rank {from}: {e}"),
+                    clean: false,
+                });
+                return;
+            }
+            payload.resize(len, 0);
+            if let Err(e) = reader.read_exact(&mut payload).await {
+                let reason = describe_read_error(&e, false);
+                let _ = deliver(Inbound::Closed { from, reason, clean: false });
+                return;
+            }
+        }
+        if header.kind == FrameKind::Goodbye {
+            let _ =
+                deliver(Inbound::Closed { from, reason: format!("rank {from} closed the connection"), clean: true });
+            return;
+        }
+        if !deliver(Inbound::Frame { from, header, payload }) {
+            return; // the driver is gone
+        }
+    }
+}
+
+fn describe_read_error(e: &io::Error, between_frames: bool) -> String {
+    match e.kind() {
+        io::ErrorKind::UnexpectedEof if between_frames => {
+            "connection closed (EOF): the peer process exited or crashed".into()
+        }
+        io::ErrorKind::UnexpectedEof => "connection closed (EOF) in the middle of a frame".into(),
+        io::ErrorKind::ConnectionReset => "connection reset by peer".into(),
+        _ => format!("read failed: {e}"),
+    }
+}
+
+/// Write every frame from `rx` to `stream`; on a write error, report it and stop.
+pub(crate) async fn run_writer<W>(
+    me: Rank,
+    to: Rank,
+    mut stream: W,
+    mut rx: mpsc::UnboundedReceiver<Outbound>,
+    errors: mpsc::UnboundedSender<Inbound>,
+) where
+    W: AsyncWrite + Unpin,
+{
+    let mut small = Vec::with_capacity(HEADER_LEN + COALESCE_LIMIT);
+    let mut notify: Vec<Written> = Vec::new();
+    while let Some(first) = rx.recv().await {
+        // Coalesce every small frame already queued into one write.
+        small.clear();
+        let mut next = Some(first);
+        let mut result = Ok(());
+        while let Some(mut out) = next.take() {
+            notify.extend(out.written.take());
+            if out.payload.len() <= COALESCE_LIMIT {
+                small.extend_from_slice(&out.header.encode());
+                small.extend_from_slice(&out.payload);
+                if small.len() < COALESCE_LIMIT {
+                    next = rx.try_recv().ok();
+                }
+            } else {
+                if !small.is_empty() {
+                    result = stream.write_all(&small).await;
+                    small.clear();
+                    if result.is_err() {
+                        break;
+                    }
+                }
+                result = write_large(&mut stream, &out).await;
+                if result.is_err() {
+                    break;
+                }
+                next = rx.try_recv().ok();
+            }
+        }
+        if result.is_ok() && !small.is_empty() {
+            result = stream.write_all(&small).await;
+        }
+        if result.is_ok() {
+            result = stream.flush().await;
+        }
+        let outcome = result.as_ref().map(|_| ()).map_err(|e| format!("write to rank {to} failed: {e}"));
+        for done in notify.drain(..) {
+            done(outcome.clone());
+        }
+        if let Err(e) = result {
+            let reason = match e.kind() {
+                io::ErrorKind::BrokenPipe | io::ErrorKind::ConnectionReset => {
+                    format!("connection to rank {to} broken: {e}")
+                }
+                _ => format!("write to rank {to} failed: {e}"),
+            };
+            let _ = errors.send(Inbound::Closed { from: to, reason: reason.clone(), clean: false });
+            rx.close();
+            while let Some(mut out) = rx.recv().await {
+                if let Some(done) = out.written.take() {
+                    done(Err(reason.clone()));
+                }
+            }
+            return;
+        }
+    }
+    // The driver closed the channel: say goodbye so the peer knows this is no crash.
+    let _ = stream.write_all(&FrameHeader::goodbye(me).encode()).await;
+    let _ = stream.flush().await;
+    let _ = stream.shutdown().await;
+}
+
+async fn write_large<W: AsyncWrite + Unpin>(stream: &mut W, out: &Outbound) -> io::Result<()> {
+    stream.write_all(&out.header.encode()).await?;
+    stream.write_all(&out.payload).await
+}

@@ -1,0 +1,470 @@
+//! The TCP backend: a [`ProcessGroup`] over a full mesh of TCP connections — what Gloo is to
+//! c10d, with cohort's failure detection.
+//!
+//! # How it runs
+//!
+//! The group's [`DriverState`](state::DriverState) (the core's `GroupState`, the flight
+//! recorder, running schedules, point-to-point matching) sits behind one mutex. Every input
+//! takes the lock, feeds the core one input and drains its outputs: a user call submits
+//! directly from the caller's thread or task (so a `Work` knows its sequence number at once),
+//! one reader task per peer feeds frames, and one timer task sleeps until the core's next
+//! deadline. Writer tasks, one per peer, send queued frames. Works are finished after the lock
+//! is released, so waiters and hooks never run under it.
+//!
+//! Everything goes through [`Net`](crate::net::Net) and `tokio::time`, so the same code runs on
+//! real sockets and inside the turmoil simulator.
+
+mod collective;
+mod connect;
+mod init;
+mod link;
+mod monitored;
+mod options;
+mod sparse;
+mod state;
+
+use std::fmt;
+use std::sync::{Arc, Mutex, MutexGuard, RwLock};
+use std::time::Instant;
+
+use cohort_core::group::{Collective, SubmitError, TensorSpec};
+use cohort_core::reduce::ReduceOp;
+use cohort_core::tensor::Tensor;
+use cohort_core::work::{GroupId, OpType, Rank};
+use tokio::sync::Notify;
+use tokio::task::JoinHandle;
+
+pub use connect::InitError;
+pub use init::{InitConfig, init_process_group, init_process_group_with};
+pub use monitored::{MONITORED_BARRIER_TAG, MonitoredBarrierError};
+pub use options::{EnvError, TcpOptions, resolve_bind_addr};
+pub use sparse::SparseTensor;
+
+use self::collective::Request;
+use self::state::{DriverState, Effects, Payload};
+use crate::store::Store;
+use crate::work::{CompletionHook, Work};
+
+/// How long a shutdown waits for queued frames to be written.
+pub const SHUTDOWN_FLUSH: std::time::Duration = std::time::Duration::from_secs(2);
+
+/// The backend name in flight-recorder profiling names (`tcp:all_reduce`).
+pub const BACKEND_NAME: &str = "tcp";
+
+/// The current time as the core wants it: tokio's clock (turmoil drives it in the simulator).
+pub(crate) fn now() -> Instant {
+    tokio::time::Instant::now().into_std()
+}
+
+pub(crate) struct Inner {
+    rank: Rank,
+    world_size: u32,
+    group_id: GroupId,
+    opts: TcpOptions,
+    state: Mutex<DriverState>,
+    timer: Notify,
+    hook: RwLock<Option<CompletionHook>>,
+    store: Arc<dyn Store>,
+    runtime: tokio::runtime::Handle,
+    tasks: Mutex<Vec<JoinHandle<()>>>,
+    /// The writer tasks: shutting down waits for them to flush and say goodbye.
+    writers: Mutex<Vec<JoinHandle<()>>>,
+}
+
+impl Inner {
+    pub(crate) fn lock(&self) -> MutexGuard<'_, DriverState> {
+        // Every critical section leaves the state consistent before anything can panic inside
+        // it (the core's methods do not panic on any input), so a poisoned lock is usable.
+        self.state.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Run one input under the lock, then perform its effects outside it.
+    pub(crate) fn input<T>(self: &Arc<Self>, f: impl FnOnce(&mut DriverState, &mut Effects) -> T) -> T {
+        let mut effects = Effects::default();
+        let out = {
+            let mut st = self.lock();
+            f(&mut st, &mut effects)
+        };
+        self.apply(effects);
+        out
+    }
+
+    fn apply(self: &Arc<Self>, effects: Effects) {
+        if effects.rearm_timer {
+            self.timer.notify_one();
+        }
+        // Dump before the works complete: a caller that sees the error and exits at once still
+        // leaves its flight recorder on disk.
+        if let Some((origin, message)) = effects.failed {
+            self.on_failure(origin, message);
+        }
+        effects.finished.complete();
+        if let Some(cause) = effects.tear_down {
+            self.dump_recorder("tear down");
+            tracing::error!("tearing the process down (error handling mode): {cause}");
+            eprintln!("cohort: rank {}: tearing the process down: {cause}", self.rank);
+            std::process::abort();
+        }
+    }
+
+    /// The group failed or was aborted: dump the recorder, publish the cause through the store
+    /// (first writer wins) so ranks that never saw the failure learn its origin, close links.
+    fn on_failure(self: &Arc<Self>, origin: Rank, message: String) {
+        self.dump_recorder("failure");
+        self.lock().close_links();
+        let store = self.store.clone();
+        let key = connect::error_key(self.group_id);
+        let value = format!("{origin}\n{message}").into_bytes();
+        self.runtime.spawn(async move {
+            if let Err(e) = store.compare_set(&key, b"", &value).await {
+                tracing::warn!("could not publish the failure through the store: {e}");
+            }
+        });
+    }
+
+    fn dump_recorder(&self, why: &str) {
+        let Some(prefix) = &self.opts.dump_prefix else { return };
+        let json = self.lock().dump_json();
+        let path = format!("{}{}.json", prefix.display(), self.rank);
+        match std::fs::write(&path, json) {
+            Ok(()) => tracing::warn!(%path, "flight recorder dumped on {why}"),
+            Err(e) => tracing::error!(%path, "could not dump the flight recorder: {e}"),
+        }
+    }
+}
+
+/// A process group over TCP. Cheap to clone; every clone is the same group.
+#[derive(Clone)]
+pub struct ProcessGroup {
+    inner: Arc<Inner>,
+    keep: Arc<Keep>,
+}
+
+/// What a group made by [`init_process_group`] owns besides itself: the store it hosts and
+/// the runtime its tasks run on.
+#[derive(Default)]
+struct Keep {
+    server: Option<crate::store::TcpStoreServer>,
+    runtime: Option<Arc<tokio::runtime::Runtime>>,
+}
+
+impl Drop for Keep {
+    fn drop(&mut self) {
+        drop(self.server.take());
+        if let Some(rt) = self.runtime.take().and_then(|rt| Arc::try_unwrap(rt).ok()) {
+            // Dropping a runtime blocks on its tasks, and panics inside async code.
+            rt.shutdown_background();
+        }
+    }
+}
+
+impl fmt::Debug for ProcessGroup {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("ProcessGroup")
+            .field("rank", &self.inner.rank)
+            .field("world_size", &self.inner.world_size)
+            .field("group", &self.inner.group_id)
+            .finish()
+    }
+}
+
+impl ProcessGroup {
+    pub(crate) fn from_inner(inner: Arc<Inner>) -> Self {
+        ProcessGroup { inner, keep: Arc::new(Keep::default()) }
+    }
+
+    /// Keep `server` and `runtime` alive as long as this group.
+    pub(crate) fn with_owned(
+        self,
+        server: Option<crate::store::TcpStoreServer>,
+        runtime: Option<Arc<tokio::runtime::Runtime>>,
+    ) -> Self {
+        let ProcessGroup { inner, keep } = self;
+        let mut keep = Arc::try_unwrap(keep).unwrap_or_default();
+        if server.is_some() {
+            keep.server = server;
+        }
+        if runtime.is_some() {
+            keep.runtime = runtime;
+        }
+        ProcessGroup { inner, keep: Arc::new(keep) }
+    }
+
+    /// This rank.
+    pub fn rank(&self) -> Rank {
+        self.inner.rank
+    }
+
+    /// Number of ranks.
+    pub fn world_size(&self) -> u32 {
+        self.inner.world_size
+    }
+
+    /// The group's id.
+    pub fn group_id(&self) -> GroupId {
+        self.inner.group_id
+    }
+
+    /// The options the group runs with.
+    pub fn options(&self) -> &TcpOptions {
+        &self.inner.opts
+    }
+
+    /// The store the group rendezvoused through.
+    pub fn store(&self) -> Arc<dyn Store> {
+        self.inner.store.clone()
+    }
+
+    /// Call `hook` with every finished work (c10d's `register_on_completion_hook`).
+    pub fn set_completion_hook(&self, hook: impl Fn(&crate::work::WorkInfo) + Send + Sync + 'static) {
+        *self.inner.hook.write().unwrap_or_else(|p| p.into_inner()) = Some(Arc::new(hook));
+    }
+
+    /// The flight recorder as JSON in PyTorch's schema (version 2.10).
+    pub fn flight_recorder_json(&self) -> String {
+        self.inner.lock().dump_json()
+    }
+
+    /// Run `fut` on this group's runtime as a [`Work`] (for compound works, such as a
+    /// communication hook that chains collectives); its failure keeps the [`WorkResult`] of
+    /// whatever failed inside it.
+    pub fn spawn_work<F>(&self, op: OpType, fut: F) -> Work
+    where
+        F: std::future::Future<Output = Result<Vec<Tensor>, cohort_core::work::WorkResult>> + Send + 'static,
+    {
+        Work::from_work_future(&self.inner.runtime, op, fut)
+    }
+
+    /// The last collective sequence number handed out on this group (0 before the first), as
+    /// torch's `_get_sequence_number_for_group`; the next collective gets `seq() + 1`.
+    pub fn seq(&self) -> cohort_core::work::SeqNo {
+        self.inner.lock().group.seq()
+    }
+
+    /// The group's first failure, if it failed.
+    pub fn failure(&self) -> Option<cohort_core::group::GroupFailure> {
+        self.inner.lock().group.failure().cloned()
+    }
+
+    /// Abort the group: every unfinished work ends Aborted, later calls are refused, peers are
+    /// told.
+    pub fn abort(&self, reason: &str) {
+        let reason = reason.to_owned();
+        self.inner.input(|st, fx| st.handle_abort(now(), reason, fx));
+    }
+
+    /// Close the group cleanly: unfinished works are aborted, queued frames are written, and
+    /// peers see a goodbye rather than a crash. Outside an async context this waits (up to
+    /// [`SHUTDOWN_FLUSH`]) for the writes, so the process may exit right after; inside one,
+    /// use [`ProcessGroup::shutdown_async`].
+    pub fn shutdown(&self) {
+        self.abort_quietly();
+        if tokio::runtime::Handle::try_current().is_err() {
+            let deadline = std::time::Instant::now() + SHUTDOWN_FLUSH;
+            let writers = std::mem::take(&mut *self.inner.writers.lock().unwrap_or_else(|p| p.into_inner()));
+            while writers.iter().any(|w| !w.is_finished()) && std::time::Instant::now() < deadline {
+                std::thread::sleep(std::time::Duration::from_millis(1));
+            }
+        }
+        self.stop_tasks();
+    }
+
+    /// [`ProcessGroup::shutdown`] for async code: waits (up to [`SHUTDOWN_FLUSH`]) for the
+    /// writer tasks to flush and say goodbye.
+    pub async fn shutdown_async(&self) {
+        self.abort_quietly();
+        let writers = std::mem::take(&mut *self.inner.writers.lock().unwrap_or_else(|p| p.into_inner()));
+        let _ = tokio::time::timeout(SHUTDOWN_FLUSH, async {
+            for w in writers {
+                let _ = w.await;
+            }
+        })
+        .await;
+        self.stop_tasks();
+    }
+
+    fn stop_tasks(&self) {
+        for t in self.inner.tasks.lock().unwrap_or_else(|p| p.into_inner()).drain(..) {
+            t.abort();
+        }
+    }
+
+    fn abort_quietly(&self) {
+        self.inner.input(|st, fx| {
+            st.close_links();
+            st.handle_abort(now(), "the process group was shut down".into(), fx);
+            fx.failed = None;
+        });
+    }
+
+    fn submit(&self, collective: Collective, payload: Payload) -> Result<Work, SubmitError> {
+        let hook = self.inner.hook.read().unwrap_or_else(|p| p.into_inner()).clone();
+        self.inner.input(|st, fx| st.submit(now(), collective, payload, hook, fx))
+    }
+
+    fn collective(&self, collective: Collective, request: Request) -> Result<Work, SubmitError> {
+        self.submit(collective, Payload::Collective { request: Box::new(request), run: None })
+    }
+
+    // ---- collectives ----
+
+    /// Reduce `tensors` across ranks with `op`; every rank gets the result. Several tensors on
+    /// one rank are reduced together (as Gloo does) and every one receives the result.
+    pub fn allreduce(&self, tensors: Vec<Tensor>, op: ReduceOp) -> Result<Work, SubmitError> {
+        let c = Collective::new(OpType::Allreduce).inputs(specs(&tensors));
+        self.collective(c, Request::allreduce(tensors, op))
+    }
+
+    /// Allreduce tensors of different shapes (one dtype) as one flat buffer.
+    pub fn allreduce_coalesced(&self, tensors: Vec<Tensor>, op: ReduceOp) -> Result<Work, SubmitError> {
+        let c = Collective::new(OpType::AllreduceCoalesced).inputs(specs(&tensors));
+        self.collective(c, Request::allreduce_coalesced(tensors, op))
+    }
+
+    /// Copy `root`'s tensors to every rank.
+    pub fn broadcast(&self, tensors: Vec<Tensor>, root: u32) -> Result<Work, SubmitError> {
+        let c = Collective::new(OpType::Broadcast).inputs(specs(&tensors)).root(Rank(root));
+        self.collective(c, Request::broadcast(tensors, Rank(root)))
+    }
+
+    /// Reduce `tensors` to `root` with `op`. Only the root's result is meaningful: other ranks'
+    /// tensors come back holding partial reductions, as with Gloo.
+    pub fn reduce(&self, tensors: Vec<Tensor>, root: u32, op: ReduceOp) -> Result<Work, SubmitError> {
+        let c = Collective::new(OpType::Reduce).inputs(specs(&tensors)).root(Rank(root));
+        self.collective(c, Request::reduce(tensors, Rank(root), op))
+    }
+
+    /// Gather every rank's `input`; the result is one tensor per rank, in rank order.
+    pub fn allgather(&self, input: Tensor) -> Result<Work, SubmitError> {
+        let out = TensorSpec::new(input.dtype(), input.shape());
+        let c =
+            Collective::new(OpType::Allgather).inputs(vec![out.clone()]).outputs(vec![out; self.world_size() as usize]);
+        self.collective(c, Request::allgather(input, false))
+    }
+
+    /// `allgather_coalesced`: gather every rank's `inputs` (one dtype, any shapes) in one
+    /// operation. The result is rank-major: rank 0's tensors in input order, then rank 1's, and
+    /// so on (`world_size × inputs.len()` tensors). Every rank must pass the same shapes.
+    pub fn allgather_coalesced(&self, inputs: Vec<Tensor>) -> Result<Work, SubmitError> {
+        let n = self.world_size() as usize;
+        let outputs = (0..n).flat_map(|_| specs(&inputs)).collect();
+        let c = Collective::new(OpType::AllgatherCoalesced).inputs(specs(&inputs)).outputs(outputs);
+        self.collective(c, Request::allgather_coalesced(inputs))
+    }
+
+    /// Gather every rank's `input` into one tensor of `world_size × numel` elements
+    /// (`all_gather_into_tensor`).
+    pub fn allgather_into_tensor(&self, input: Tensor) -> Result<Work, SubmitError> {
+        let n = self.world_size() as usize;
+        let out = TensorSpec::new(input.dtype(), &[input.numel().saturating_mul(n)]);
+        let c =
+            Collective::new(OpType::AllgatherIntoTensor).inputs(specs(std::slice::from_ref(&input))).outputs(vec![out]);
+        self.collective(c, Request::allgather(input, true))
+    }
+
+    /// Gather every rank's `input` to `root`: the root's result is one tensor per rank, other
+    /// ranks' results are empty.
+    pub fn gather(&self, input: Tensor, root: u32) -> Result<Work, SubmitError> {
+        let spec = TensorSpec::new(input.dtype(), input.shape());
+        let outputs = if root == self.rank().0 { vec![spec.clone(); self.world_size() as usize] } else { Vec::new() };
+        let c = Collective::new(OpType::Gather).inputs(vec![spec]).outputs(outputs).root(Rank(root));
+        self.collective(c, Request::gather(input, Rank(root)))
+    }
+
+    /// Scatter `inputs` (one per rank, on the root; empty elsewhere) from `root`; every rank
+    /// receives its piece into `output`.
+    pub fn scatter(&self, output: Tensor, inputs: Vec<Tensor>, root: u32) -> Result<Work, SubmitError> {
+        let c = Collective::new(OpType::Scatter)
+            .inputs(specs(&inputs))
+            .outputs(specs(std::slice::from_ref(&output)))
+            .root(Rank(root));
+        self.collective(c, Request::scatter(output, inputs, Rank(root)))
+    }
+
+    /// Reduce `inputs` (one per rank) with `op`; rank r receives the reduction of everyone's
+    /// `inputs[r]`.
+    pub fn reduce_scatter(&self, inputs: Vec<Tensor>, op: ReduceOp) -> Result<Work, SubmitError> {
+        let out = inputs.first().map(|t| TensorSpec::new(t.dtype(), t.shape())).into_iter().collect();
+        let c = Collective::new(OpType::ReduceScatter).inputs(specs(&inputs)).outputs(out);
+        self.collective(c, Request::reduce_scatter(inputs, op, false))
+    }
+
+    /// Reduce one flat `input` of `world_size × k` elements; rank r receives elements
+    /// `[r·k, (r+1)·k)` of the reduction (`reduce_scatter_tensor`).
+    pub fn reduce_scatter_tensor(&self, input: Tensor, op: ReduceOp) -> Result<Work, SubmitError> {
+        let n = self.world_size() as usize;
+        let out = TensorSpec::new(input.dtype(), &[input.numel() / n.max(1)]);
+        let c =
+            Collective::new(OpType::ReduceScatterTensor).inputs(specs(std::slice::from_ref(&input))).outputs(vec![out]);
+        self.collective(c, Request::reduce_scatter(vec![input], op, true))
+    }
+
+    /// Send `inputs[r]` to rank r and receive rank r's piece into `outputs[r]`.
+    pub fn alltoall(&self, outputs: Vec<Tensor>, inputs: Vec<Tensor>) -> Result<Work, SubmitError> {
+        let c = Collective::new(OpType::Alltoall).inputs(specs(&inputs)).outputs(specs(&outputs));
+        self.collective(c, Request::alltoall(outputs, inputs))
+    }
+
+    /// `all_to_all_single`: split `input` by `input_splits` (elements per rank; `None` = equal),
+    /// send piece r to rank r, and receive into `output` split by `output_splits`.
+    pub fn alltoall_base(
+        &self,
+        output: Tensor,
+        input: Tensor,
+        output_splits: Option<Vec<usize>>,
+        input_splits: Option<Vec<usize>>,
+    ) -> Result<Work, SubmitError> {
+        let n = self.world_size() as usize;
+        let even = |numel: usize| vec![numel / n.max(1); n];
+        let splits = match (input_splits, output_splits) {
+            (None, None) => None,
+            (i, o) => Some((i.unwrap_or_else(|| even(input.numel())), o.unwrap_or_else(|| even(output.numel())))),
+        };
+        let mut c = Collective::new(OpType::AlltoallBase)
+            .inputs(specs(std::slice::from_ref(&input)))
+            .outputs(specs(std::slice::from_ref(&output)));
+        c.splits = splits.clone();
+        let (ins, outs) = splits.unwrap_or_else(|| (even(input.numel()), even(output.numel())));
+        self.collective(c, Request::alltoall_base(output, input, ins, outs))
+    }
+
+    /// Block until every rank has called `barrier`.
+    pub fn barrier(&self) -> Result<Work, SubmitError> {
+        self.collective(Collective::new(OpType::Barrier), Request::barrier())
+    }
+
+    // ---- point to point ----
+
+    /// Send `tensor` to `dst` with `tag`. Completes once the bytes are handed to the connection.
+    pub fn send(&self, tensor: Tensor, dst: u32, tag: u32) -> Result<Work, SubmitError> {
+        let c = Collective::new(OpType::Send).inputs(specs(std::slice::from_ref(&tensor))).peer(Rank(dst), tag);
+        self.submit(c, Payload::Send { peer: Rank(dst), tag, tensor })
+    }
+
+    /// Receive into `tensor` from `src` with `tag`; the result holds the filled tensor.
+    pub fn recv(&self, tensor: Tensor, src: u32, tag: u32) -> Result<Work, SubmitError> {
+        let c = Collective::new(OpType::Recv).inputs(specs(std::slice::from_ref(&tensor))).peer(Rank(src), tag);
+        self.submit(c, Payload::Recv { peer: Some(Rank(src)), tag, tensor: Some(tensor) })
+    }
+
+    /// Receive into `tensor` from whichever rank sends first with `tag`;
+    /// [`Work::source_rank`] tells which.
+    pub fn recv_anysource(&self, tensor: Tensor, tag: u32) -> Result<Work, SubmitError> {
+        let mut c = Collective::new(OpType::RecvAnySource).inputs(specs(std::slice::from_ref(&tensor)));
+        c.tag = tag;
+        self.submit(c, Payload::Recv { peer: None, tag, tensor: Some(tensor) })
+    }
+}
+
+impl Drop for Inner {
+    fn drop(&mut self) {
+        for t in self.tasks.get_mut().unwrap_or_else(|p| p.into_inner()).drain(..) {
+            t.abort();
+        }
+        // Writers are left to finish: their channels are closed, so they flush and say goodbye.
+    }
+}
+
+fn specs(tensors: &[Tensor]) -> Vec<TensorSpec> {
+    tensors.iter().map(|t| TensorSpec::new(t.dtype(), t.shape())).collect()
+}

@@ -1,0 +1,212 @@
+//! Options of the TCP backend, and reading them from the environment.
+
+use std::env;
+use std::net::{IpAddr, Ipv4Addr};
+use std::path::PathBuf;
+use std::time::Duration;
+
+use cohort_core::group::{DEFAULT_TIMEOUT, ErrorHandling, HeartbeatConfig};
+
+/// Options of a TCP process group (what `ProcessGroupGloo::Options` holds, plus cohort's
+/// failure detection). Every field has a documented default and most have an environment
+/// variable, read by [`TcpOptions::from_env`].
+#[derive(Debug, Clone, PartialEq)]
+pub struct TcpOptions {
+    /// Default timeout of every collective (Gloo's 30 minutes). `COHORT_TIMEOUT_MS`.
+    pub timeout: Duration,
+    /// How long connecting to every peer may take. `COHORT_INIT_TIMEOUT_MS`, default 300 s.
+    pub init_timeout: Duration,
+    /// Peer heartbeats; `None` turns them off. `COHORT_HEARTBEAT_MS` (interval, default 1000;
+    /// 0 turns heartbeats off) and `COHORT_PEER_DEAD_AFTER_MS` (default 10000).
+    pub heartbeat: Option<HeartbeatConfig>,
+    /// What to do after a failure, as `TORCH_NCCL_ASYNC_ERROR_HANDLING`.
+    /// `COHORT_ASYNC_ERROR_HANDLING` (0-3), default 2 (clean up only).
+    pub error_handling: ErrorHandling,
+    /// The address to listen on and publish to peers. `COHORT_SOCKET_IFNAME` names an interface
+    /// (as `GLOO_SOCKET_IFNAME`); without it, the address the host name resolves to, falling
+    /// back to loopback with a warning.
+    pub bind_addr: IpAddr,
+    /// Connections per peer. `COHORT_CONNECTIONS_PER_PEER`, default 1.
+    pub connections_per_peer: u16,
+    /// Largest frame payload accepted from a peer. Default 1 GiB.
+    pub max_frame: u64,
+    /// Works the data plane may run at once. Default 64.
+    pub max_in_flight: usize,
+    /// Flight-recorder entries kept (0 turns it off). `COHORT_TRACE_BUFFER_SIZE`, as
+    /// `TORCH_NCCL_TRACE_BUFFER_SIZE`; default 2000.
+    pub trace_buffer_size: usize,
+    /// Where to dump the flight recorder when the group fails: `<prefix><rank>.json`.
+    /// `COHORT_DUMP_ON_FAILURE` (a file prefix, as `TORCH_NCCL_DEBUG_INFO_TEMP_FILE` with
+    /// `TORCH_NCCL_DUMP_ON_TIMEOUT`); off by default.
+    pub dump_prefix: Option<PathBuf>,
+    /// The Unix time (ns) the flight recorder's timestamps count from, read from the system
+    /// clock at init when `None` (the default). The simulator sets it so that dumps are the
+    /// same bytes on every replay of a seed.
+    pub wall_clock_anchor_ns: Option<u64>,
+}
+
+impl Default for TcpOptions {
+    fn default() -> Self {
+        TcpOptions {
+            timeout: DEFAULT_TIMEOUT,
+            init_timeout: Duration::from_secs(300),
+            heartbeat: Some(HeartbeatConfig::default()),
+            error_handling: ErrorHandling::default(),
+            bind_addr: IpAddr::V4(Ipv4Addr::LOCALHOST),
+            connections_per_peer: 1,
+            max_frame: 1 << 30,
+            max_in_flight: 64,
+            trace_buffer_size: 2000,
+            dump_prefix: None,
+            wall_clock_anchor_ns: None,
+        }
+    }
+}
+
+/// A `COHORT_*` variable that does not parse.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("environment variable {name}={value:?} is invalid: {reason}")]
+pub struct EnvError {
+    /// The variable.
+    pub name: &'static str,
+    /// Its value.
+    pub value: String,
+    /// What is wrong.
+    pub reason: String,
+}
+
+fn var(name: &'static str) -> Option<String> {
+    env::var(name).ok().filter(|v| !v.is_empty())
+}
+
+fn parse_u64(name: &'static str) -> Result<Option<u64>, EnvError> {
+    var(name)
+        .map(|v| v.trim().parse::<u64>().map_err(|e| EnvError { name, value: v.clone(), reason: e.to_string() }))
+        .transpose()
+}
+
+impl TcpOptions {
+    /// Defaults, overridden by whatever `COHORT_*` variables are set.
+    pub fn from_env() -> Result<TcpOptions, EnvError> {
+        let mut o = TcpOptions::default();
+        if let Some(ms) = parse_u64("COHORT_TIMEOUT_MS")? {
+            o.timeout = Duration::from_millis(ms);
+        }
+        if let Some(ms) = parse_u64("COHORT_INIT_TIMEOUT_MS")? {
+            o.init_timeout = Duration::from_millis(ms);
+        }
+        let hb_ms = parse_u64("COHORT_HEARTBEAT_MS")?;
+        let dead_ms = parse_u64("COHORT_PEER_DEAD_AFTER_MS")?;
+        o.heartbeat = match hb_ms {
+            Some(0) => None,
+            _ => {
+                let d = HeartbeatConfig::default();
+                Some(HeartbeatConfig {
+                    interval: hb_ms.map(Duration::from_millis).unwrap_or(d.interval),
+                    dead_after: dead_ms.map(Duration::from_millis).unwrap_or(d.dead_after),
+                })
+            }
+        };
+        let level = match parse_u64("COHORT_ASYNC_ERROR_HANDLING")? {
+            Some(l) => Some(l),
+            None => parse_u64("TORCH_NCCL_ASYNC_ERROR_HANDLING")?,
+        };
+        if let Some(level) = level {
+            o.error_handling = u8::try_from(level).ok().and_then(ErrorHandling::from_level).ok_or(EnvError {
+                name: "COHORT_ASYNC_ERROR_HANDLING",
+                value: level.to_string(),
+                reason: "expected 0 (no handling), 1 (tear down), 2 (clean up only) or 3 (skip clean up)".into(),
+            })?;
+        }
+        if let Some(n) = parse_u64("COHORT_CONNECTIONS_PER_PEER")? {
+            o.connections_per_peer = u16::try_from(n).ok().filter(|&n| n >= 1).ok_or(EnvError {
+                name: "COHORT_CONNECTIONS_PER_PEER",
+                value: n.to_string(),
+                reason: "expected 1 to 65535".into(),
+            })?;
+        }
+        if let Some(n) = parse_u64("COHORT_TRACE_BUFFER_SIZE")? {
+            o.trace_buffer_size = usize::try_from(n).unwrap_or(usize::MAX);
+        }
+        o.dump_prefix = var("COHORT_DUMP_ON_FAILURE").map(PathBuf::from);
+        o.bind_addr = resolve_bind_addr(var("COHORT_SOCKET_IFNAME").as_deref())?;
+        Ok(o)
+    }
+}
+
+/// The address to bind: the named interface's, else the host name's, else loopback.
+pub fn resolve_bind_addr(ifname: Option<&str>) -> Result<IpAddr, EnvError> {
+    if let Some(name) = ifname {
+        return interface_addr(name).ok_or_else(|| EnvError {
+            name: "COHORT_SOCKET_IFNAME",
+            value: name.to_owned(),
+            reason: "no such interface with an IPv4 address".into(),
+        });
+    }
+    if let Some(addr) = hostname_addr() {
+        return Ok(addr);
+    }
+    tracing::warn!(
+        "the host name does not resolve to a usable address; binding to loopback (set COHORT_SOCKET_IFNAME to choose an interface)"
+    );
+    Ok(IpAddr::V4(Ipv4Addr::LOCALHOST))
+}
+
+fn hostname_addr() -> Option<IpAddr> {
+    use std::net::ToSocketAddrs;
+    let mut buf = [0u8; 256];
+    // SAFETY: gethostname writes at most buf.len() bytes into buf.
+    let rc = unsafe { libc::gethostname(buf.as_mut_ptr().cast(), buf.len()) };
+    if rc != 0 {
+        return None;
+    }
+    let end = buf.iter().position(|&b| b == 0).unwrap_or(buf.len());
+    let host = std::str::from_utf8(&buf[..end]).ok()?;
+    (host, 0).to_socket_addrs().ok()?.map(|a| a.ip()).find(|ip| ip.is_ipv4())
+}
+
+fn interface_addr(name: &str) -> Option<IpAddr> {
+    let mut ifap: *mut libc::ifaddrs = std::ptr::null_mut();
+    // SAFETY: getifaddrs fills ifap with a list we free below with freeifaddrs.
+    if unsafe { libc::getifaddrs(&mut ifap) } != 0 {
+        return None;
+    }
+    let mut found = None;
+    let mut cur = ifap;
+    while !cur.is_null() {
+        // SAFETY: cur is a node of the list getifaddrs returned, not yet freed.
+        let ifa = unsafe { &*cur };
+        cur = ifa.ifa_next;
+        if ifa.ifa_name.is_null() || ifa.ifa_addr.is_null() {
+            continue;
+        }
+        // SAFETY: ifa_name is a NUL-terminated C string owned by the list.
+        let ifname = unsafe { std::ffi::CStr::from_ptr(ifa.ifa_name) };
+        // SAFETY: ifa_addr is non-null and points at a sockaddr of the family it states.
+        let family = i32::from(unsafe { (*ifa.ifa_addr).sa_family });
+        if ifname.to_bytes() == name.as_bytes() && family == libc::AF_INET {
+            // SAFETY: the family is AF_INET, so the sockaddr is a sockaddr_in.
+            let sin = unsafe { &*(ifa.ifa_addr as *const libc::sockaddr_in) };
+            found = Some(IpAddr::V4(Ipv4Addr::from(u32::from_be(sin.sin_addr.s_addr))));
+            break;
+        }
+    }
+    // SAFETY: ifap came from getifaddrs and is freed once.
+    unsafe { libc::freeifaddrs(ifap) };
+    found
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn loopback_interface_resolves_and_unknown_ones_are_named() {
+        assert_eq!(resolve_bind_addr(Some("lo")).unwrap(), IpAddr::V4(Ipv4Addr::LOCALHOST));
+        let err = resolve_bind_addr(Some("no-such-if0")).unwrap_err();
+        assert_eq!(
+            err.to_string(),
+            "environment variable COHORT_SOCKET_IFNAME=\"no-such-if0\" is invalid: no such interface with an IPv4 address"
+        );
+    }
+}

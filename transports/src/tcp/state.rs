@@ -1,0 +1,605 @@
+//! The TCP backend's driver state: the core's [`GroupState`] plus the data plane (running
+//! schedules, point-to-point matching, early frames) and the links to peers.
+//!
+//! Every input — a user submit, a frame, a closed connection, a timer — locks the state, feeds
+//! the core exactly one input, and drains every output ([`DriverState::drain`]). Works that end
+//! are finished *after* the lock is released ([`Finished::complete`]), so that waiters and
+//! completion hooks never run under it.
+
+use std::collections::{BTreeMap, VecDeque};
+use std::time::Instant;
+
+use bytes::Bytes;
+use cohort_core::group::{Collective, Completion, ControlMsg, Event, GroupState, Launch, SubmitError, WorkSummary};
+use cohort_core::protocol::{Fingerprint, FrameHeader, FrameKind, decode_message, truncate_message};
+use cohort_core::tensor::Tensor;
+use cohort_core::work::{GroupId, Rank, SeqNo, WorkId};
+use tokio::sync::mpsc;
+
+use super::collective::{CollectiveRun, Step};
+use super::link::Outbound;
+use crate::work::{Work, WorkCompleter};
+
+/// What the user handed in with a work, and what it becomes.
+#[derive(Debug)]
+pub(crate) enum Payload {
+    /// A collective: its run on the data plane, built at launch.
+    Collective { request: Box<super::collective::Request>, run: Option<Box<CollectiveRun>> },
+    /// A send: the bytes.
+    Send { peer: Rank, tag: u32, tensor: Tensor },
+    /// A recv into `tensor`, from `peer` or any rank.
+    Recv { peer: Option<Rank>, tag: u32, tensor: Option<Tensor> },
+}
+
+#[derive(Debug)]
+struct Pending {
+    completer: WorkCompleter,
+    payload: Payload,
+    outputs: Vec<Tensor>,
+    /// Frames of this work queued but not yet on the socket.
+    unwritten: usize,
+    /// The data side is done (a collective's schedule finished, a send was queued); the work
+    /// completes once `unwritten` is 0 too, so that a rank that exits right after a work
+    /// completes never takes unsent bytes with it.
+    data_done: bool,
+    /// A collective's op, dtype and root, sent in every data frame's tag and checked against
+    /// what peers send (see [`Fingerprint`]).
+    fingerprint: Option<Fingerprint>,
+}
+
+/// Reports that the frames of a work are written: `(work, peer, outcome)`.
+pub(crate) type OnWritten = std::sync::Arc<dyn Fn(WorkId, Rank, Result<(), String>) + Send + Sync>;
+
+/// Works that ended under the lock, to be finished after it is released.
+#[derive(Debug, Default)]
+#[must_use = "finished works must be completed after the lock is released"]
+pub(crate) struct Finished(Vec<(WorkCompleter, WorkSummary, Vec<Tensor>)>);
+
+impl Finished {
+    /// Wake every waiter and run the hooks. Call with no lock held.
+    pub(crate) fn complete(self) {
+        for (completer, summary, outputs) in self.0 {
+            completer.finish_with(summary, outputs);
+        }
+    }
+}
+
+/// Side effects the driver must perform outside the lock.
+#[derive(Debug, Default)]
+pub(crate) struct Effects {
+    /// Works to finish.
+    pub(crate) finished: Finished,
+    /// The group failed with this message: publish it, dump the recorder.
+    pub(crate) failed: Option<(Rank, String)>,
+    /// Tear the process down after dumping (error-handling modes 1 and 3).
+    pub(crate) tear_down: Option<String>,
+    /// The timer may need an earlier wake-up.
+    pub(crate) rearm_timer: bool,
+}
+
+/// The driver state of one rank in one TCP process group.
+#[derive(Debug)]
+pub(crate) struct DriverState {
+    pub(crate) group: GroupState,
+    me: Rank,
+    gid: GroupId,
+    writers: Vec<Option<mpsc::UnboundedSender<Outbound>>>,
+    pending: BTreeMap<WorkId, Pending>,
+    /// Running collectives by sequence number.
+    running: BTreeMap<SeqNo, WorkId>,
+    /// Data frames for collectives this rank has not launched yet.
+    early: BTreeMap<SeqNo, Vec<(Rank, u32, u32, Vec<u8>)>>,
+    /// A collective is being started and fed its early frames (see `launch`).
+    starting: bool,
+    /// p2p payloads nobody has asked for yet, per (source, tag), in arrival order.
+    inbox: BTreeMap<(Rank, u32), VecDeque<Vec<u8>>>,
+    /// Posted receives, in posting order.
+    posted_recvs: Vec<WorkId>,
+    /// Highest collective seq finished here; frames for older ones are stale.
+    last_finished_seq: SeqNo,
+    /// Peers whose connection is gone.
+    closed: BTreeMap<Rank, String>,
+    /// Frames queued for each peer and not yet written.
+    unwritten_to: BTreeMap<Rank, usize>,
+    /// Peers that said goodbye while frames to them were still being written: their
+    /// departure is handled once those writes finish, so a send that reached them succeeds.
+    deferred_departures: std::collections::BTreeSet<Rank>,
+    on_written: WrittenHook,
+}
+
+struct WrittenHook(OnWritten);
+
+impl std::fmt::Debug for WrittenHook {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("WrittenHook")
+    }
+}
+
+impl DriverState {
+    pub(crate) fn new(
+        group: GroupState,
+        writers: Vec<Option<mpsc::UnboundedSender<Outbound>>>,
+        on_written: OnWritten,
+    ) -> Self {
+        DriverState {
+            me: group.rank(),
+            gid: group.config().group_id,
+            group,
+            writers,
+            pending: BTreeMap::new(),
+            running: BTreeMap::new(),
+            early: BTreeMap::new(),
+            starting: false,
+            inbox: BTreeMap::new(),
+            posted_recvs: Vec::new(),
+            last_finished_seq: SeqNo(0),
+            closed: BTreeMap::new(),
+            unwritten_to: BTreeMap::new(),
+            deferred_departures: std::collections::BTreeSet::new(),
+            on_written: WrittenHook(on_written),
+        }
+    }
+
+    /// A user submit.
+    pub(crate) fn submit(
+        &mut self,
+        now: Instant,
+        collective: Collective,
+        payload: Payload,
+        hook: Option<crate::work::CompletionHook>,
+        effects: &mut Effects,
+    ) -> Result<Work, SubmitError> {
+        let op = collective.op;
+        let fingerprint = (!op.is_p2p()).then(|| Fingerprint {
+            op,
+            dtype: collective.inputs.first().map(|t| t.dtype),
+            root: collective.root,
+        });
+        let id = self.group.submit(now, collective)?;
+        let seq = if op.is_p2p() { self.group.p2p_seq() } else { self.group.seq() };
+        let (work, completer) = Work::pending(id, seq, op, hook);
+        self.pending.insert(id, Pending { completer, payload, outputs: Vec::new(), unwritten: 0, data_done: false, fingerprint });
+        self.drain(now, effects);
+        effects.rearm_timer = true;
+        Ok(work)
+    }
+
+    /// A frame from `from`.
+    pub(crate) fn handle_frame(
+        &mut self,
+        now: Instant,
+        from: Rank,
+        header: FrameHeader,
+        payload: Vec<u8>,
+        effects: &mut Effects,
+    ) {
+        self.group.handle_peer_activity(now, from);
+        match header.kind {
+            FrameKind::Data => self.handle_data(now, from, header.seq, header.step, header.tag, payload),
+            FrameKind::P2p => self.handle_p2p(now, from, header.tag, payload),
+            FrameKind::Heartbeat => self.group.handle_message(now, from, ControlMsg::Heartbeat),
+            FrameKind::Error => {
+                let message =
+                    decode_message(FrameKind::Error, &payload).unwrap_or("(error message was not UTF-8)").to_owned();
+                // The culprit travels in the tag: rank + 1, or 0 when unknown.
+                let culprit = header.tag.checked_sub(1).map(Rank);
+                self.group.handle_message(now, from, ControlMsg::Error { culprit, message });
+            }
+            FrameKind::Abort => {
+                let reason = decode_message(FrameKind::Abort, &payload).unwrap_or("(reason was not UTF-8)").to_owned();
+                self.group.handle_message(now, from, ControlMsg::Abort { reason });
+            }
+            FrameKind::Goodbye => {}
+        }
+        self.drain(now, effects);
+    }
+
+    /// The connection to `from` ended.
+    pub(crate) fn handle_closed(
+        &mut self,
+        now: Instant,
+        from: Rank,
+        reason: String,
+        clean: bool,
+        effects: &mut Effects,
+    ) {
+        if self.closed.contains_key(&from) {
+            return;
+        }
+        self.closed.insert(from, reason.clone());
+        if let Some(w) = self.writers.get_mut(from.index()) {
+            *w = None;
+        }
+        if clean {
+            if self.unwritten_to.get(&from).copied().unwrap_or(0) > 0 {
+                self.deferred_departures.insert(from);
+            } else {
+                self.departed(now, from);
+            }
+        } else {
+            self.group.handle_peer_lost(now, from, reason);
+        }
+        self.drain(now, effects);
+    }
+
+    /// The timer fired.
+    pub(crate) fn handle_timeout(&mut self, now: Instant, effects: &mut Effects) {
+        self.group.handle_timeout(now);
+        self.drain(now, effects);
+        effects.rearm_timer = true;
+    }
+
+    /// A user or remote abort.
+    pub(crate) fn handle_abort(&mut self, now: Instant, reason: String, effects: &mut Effects) {
+        self.group.handle_abort(now, reason);
+        self.drain(now, effects);
+    }
+
+    /// A frame of work `id` for `to` reached the socket, or cannot.
+    pub(crate) fn handle_written(
+        &mut self,
+        now: Instant,
+        id: WorkId,
+        to: Rank,
+        outcome: Result<(), String>,
+        effects: &mut Effects,
+    ) {
+        let left = self.unwritten_to.entry(to).or_default();
+        *left = left.saturating_sub(1);
+        let left = *left;
+        if let Some(p) = self.pending.get_mut(&id) {
+            p.unwritten = p.unwritten.saturating_sub(1);
+            match outcome {
+                Ok(()) => self.maybe_complete(now, id),
+                Err(message) => self.group.handle_completion(now, id, Completion::Failed { rank: Some(to), message }),
+            }
+        }
+        if left == 0 && self.deferred_departures.remove(&to) {
+            self.departed(now, to);
+        }
+        self.drain(now, effects);
+    }
+
+    /// `peer` said goodbye and everything it sent has arrived: works that still wait for it
+    /// can never finish, so they fail naming it; nothing else does.
+    fn departed(&mut self, now: Instant, peer: Rank) {
+        self.group.handle_peer_departed(now, peer);
+        let stranded_recvs: Vec<WorkId> = self
+            .posted_recvs
+            .iter()
+            .copied()
+            .filter(|id| matches!(self.pending.get(id), Some(Pending { payload: Payload::Recv { peer: Some(p), .. }, .. }) if *p == peer))
+            .collect();
+        for id in stranded_recvs {
+            let message = format!("rank {peer} shut its process group down without sending what this recv waits for");
+            self.group.handle_completion(now, id, Completion::Failed { rank: Some(peer), message });
+        }
+        let running: Vec<WorkId> = self.running.values().copied().collect();
+        for id in running {
+            self.fail_if_stranded(now, id);
+        }
+    }
+
+    /// Fail a running collective that waits for a peer whose connection is closed.
+    fn fail_if_stranded(&mut self, now: Instant, id: WorkId) {
+        let Some(Pending { payload: Payload::Collective { run: Some(run), .. }, .. }) = self.pending.get(&id) else {
+            return;
+        };
+        let Step::Waiting(ranks) = run.step() else { return };
+        if let Some((&p, why)) = ranks.iter().find_map(|r| self.closed.get_key_value(r)) {
+            let message = format!("rank {p} is gone before sending its part ({why})");
+            self.group.handle_completion(now, id, Completion::Failed { rank: Some(p), message });
+        }
+    }
+
+    /// Complete `id` once its data side is done and every frame of it is written.
+    fn maybe_complete(&mut self, now: Instant, id: WorkId) {
+        if self.pending.get(&id).is_some_and(|p| p.data_done && p.unwritten == 0) {
+            self.group.handle_completion(now, id, Completion::Success);
+        }
+    }
+
+    /// Queue a frame of work `id` for `to`; false if the link is gone.
+    fn send_frame(&mut self, id: WorkId, to: Rank, header: FrameHeader, payload: Bytes) -> bool {
+        let Some(tx) = self.writers.get(to.index()).and_then(Option::as_ref) else { return false };
+        let notify = self.on_written.0.clone();
+        let written: super::link::Written = Box::new(move |outcome| notify(id, to, outcome));
+        if tx.send(Outbound { header, payload, written: Some(written) }).is_err() {
+            return false;
+        }
+        if let Some(p) = self.pending.get_mut(&id) {
+            p.unwritten += 1;
+        }
+        *self.unwritten_to.entry(to).or_default() += 1;
+        true
+    }
+
+    /// A failure another rank published (through the store).
+    pub(crate) fn handle_remote_error(&mut self, now: Instant, origin: Rank, message: String, effects: &mut Effects) {
+        self.group.handle_remote_error(now, origin, None, message);
+        self.drain(now, effects);
+    }
+
+    /// Whether the receive `id` got its message (it may still wait to finish behind earlier
+    /// works, which finish in submission order).
+    pub(crate) fn recv_arrived(&self, id: WorkId) -> bool {
+        self.pending
+            .get(&id)
+            .is_some_and(|p| matches!(p.payload, Payload::Recv { tensor: None, .. }) && !p.outputs.is_empty())
+    }
+
+    /// The flight recorder as JSON.
+    pub(crate) fn dump_json(&self) -> String {
+        self.group.dump().to_json()
+    }
+
+    /// Close every writer: the writer tasks say goodbye and end.
+    pub(crate) fn close_links(&mut self) {
+        for w in &mut self.writers {
+            *w = None;
+        }
+    }
+
+    fn handle_data(&mut self, now: Instant, from: Rank, seq: SeqNo, step: u32, tag: u32, payload: Vec<u8>) {
+        if let Some(&id) = self.running.get(&seq) {
+            self.feed(now, id, from, step, tag, payload);
+        } else if seq > self.last_finished_seq {
+            self.early.entry(seq).or_default().push((from, step, tag, payload));
+        } else {
+            tracing::debug!(%from, %seq, step, "dropping a data frame for a finished collective");
+        }
+    }
+
+    fn handle_p2p(&mut self, now: Instant, from: Rank, tag: u32, payload: Vec<u8>) {
+        let matched = self.posted_recvs.iter().position(|id| {
+            matches!(self.pending.get(id), Some(Pending { payload: Payload::Recv { peer, tag: t, .. }, .. })
+                if *t == tag && peer.is_none_or(|p| p == from))
+        });
+        match matched {
+            Some(i) => {
+                let id = self.posted_recvs.remove(i);
+                self.complete_recv(now, id, from, payload);
+            }
+            None => self.inbox.entry((from, tag)).or_default().push_back(payload),
+        }
+    }
+
+    fn complete_recv(&mut self, now: Instant, id: WorkId, from: Rank, bytes: Vec<u8>) {
+        let Some(p) = self.pending.get_mut(&id) else { return };
+        let Payload::Recv { tensor, .. } = &mut p.payload else { return };
+        let Some(mut t) = tensor.take() else { return };
+        if bytes.len() != t.nbytes() {
+            let message = format!(
+                "recv from rank {from}: {} bytes arrived for a tensor of {} bytes ({} × {})",
+                bytes.len(),
+                t.nbytes(),
+                t.numel(),
+                t.dtype()
+            );
+            self.group.handle_completion(now, id, Completion::Failed { rank: Some(from), message });
+            return;
+        }
+        t.bytes_mut().copy_from_slice(&bytes);
+        p.outputs = vec![t];
+        p.completer.set_source_rank(from);
+        self.group.handle_completion(now, id, Completion::Success);
+    }
+
+    /// Feed one data frame to a running collective and push what it wants to send.
+    fn feed(&mut self, now: Instant, id: WorkId, from: Rank, step: u32, tag: u32, payload: Vec<u8>) {
+        let Some(Pending { payload: Payload::Collective { run: Some(run), .. }, fingerprint, .. }) =
+            self.pending.get_mut(&id)
+        else {
+            return;
+        };
+        if let (Some(mine), Some(theirs)) = (*fingerprint, Fingerprint::from_tag(tag)) {
+            if mine != theirs {
+                let message = format!(
+                    "desync at seq {}: rank {from} is running {theirs} while this rank runs {mine}",
+                    run.seq()
+                );
+                self.group.handle_completion(now, id, Completion::Failed { rank: Some(from), message });
+                return;
+            }
+        }
+        let result = run.handle_recv(from, step, &payload);
+        self.after_step(now, id, result);
+    }
+
+    /// After an input to a running collective: send what it wants sent, then see where it is.
+    fn after_step(&mut self, now: Instant, id: WorkId, result: Result<(), String>) {
+        match result {
+            Err(message) => {
+                self.group.handle_completion(now, id, Completion::Failed { rank: None, message });
+            }
+            Ok(()) => {
+                self.send_outgoing(now, id);
+                let Some(Pending { payload: Payload::Collective { run: Some(run), .. }, .. }) = self.pending.get(&id)
+                else {
+                    return;
+                };
+                match run.step() {
+                    Step::Done => {
+                        let Some(p) = self.pending.get_mut(&id) else { return };
+                        let Payload::Collective { run, .. } = &mut p.payload else { return };
+                        let Some(run) = run.take() else { return };
+                        match run.finish() {
+                            Ok(outputs) => {
+                                p.outputs = outputs;
+                                p.data_done = true;
+                                self.maybe_complete(now, id);
+                            }
+                            Err(message) => {
+                                self.group.handle_completion(now, id, Completion::Failed { rank: None, message });
+                            }
+                        }
+                    }
+                    Step::Waiting(ranks) => {
+                        self.group.handle_waiting_on(now, id, ranks);
+                        if !self.starting {
+                            self.fail_if_stranded(now, id);
+                        }
+                    }
+                }
+            }
+        }
+    }
+
+    fn send_outgoing(&mut self, now: Instant, id: WorkId) {
+        let Some(Pending { payload: Payload::Collective { run: Some(run), .. }, fingerprint, .. }) =
+            self.pending.get_mut(&id)
+        else {
+            return;
+        };
+        let fingerprint = *fingerprint;
+        let seq = run.seq();
+        let mut out = Vec::new();
+        while let Some(frame) = run.poll_send() {
+            out.push(frame);
+        }
+        for (to, step, bytes) in out {
+            let mut header = FrameHeader::data(self.gid, seq, step, self.me, bytes.len() as u64);
+            header.tag = fingerprint.map_or(0, Fingerprint::to_tag);
+            if !self.send_frame(id, to, header, bytes) {
+                let message = format!("connection to rank {to} is closed");
+                self.group.handle_completion(now, id, Completion::Failed { rank: Some(to), message });
+            }
+        }
+    }
+
+    /// Drain every output of the core until nothing is left.
+    fn drain(&mut self, now: Instant, effects: &mut Effects) {
+        loop {
+            let mut progressed = false;
+            while let Some(t) = self.group.poll_transmit() {
+                progressed = true;
+                let (header, payload) = match t.msg {
+                    ControlMsg::Heartbeat => (FrameHeader::heartbeat(self.me), Bytes::new()),
+                    ControlMsg::Error { culprit, message } => {
+                        let text = Bytes::copy_from_slice(truncate_message(&message).as_bytes());
+                        let mut h = FrameHeader::data(self.gid, SeqNo(0), 0, self.me, text.len() as u64);
+                        h.kind = FrameKind::Error;
+                        h.tag = culprit.map_or(0, |r| r.0 + 1);
+                        (h, text)
+                    }
+                    ControlMsg::Abort { reason } => {
+                        let text = Bytes::copy_from_slice(truncate_message(&reason).as_bytes());
+                        let mut h = FrameHeader::data(self.gid, SeqNo(0), 0, self.me, text.len() as u64);
+                        h.kind = FrameKind::Abort;
+                        (h, text)
+                    }
+                };
+                send(&self.writers, t.to, Outbound { header, payload, written: None });
+            }
+            while let Some(launch) = self.group.poll_launch() {
+                progressed = true;
+                self.launch(now, launch);
+            }
+            while let Some(event) = self.group.poll_event() {
+                progressed = true;
+                self.handle_event(event, effects);
+            }
+            if !progressed {
+                break;
+            }
+        }
+    }
+
+    fn launch(&mut self, now: Instant, launch: Launch) {
+        let id = launch.id;
+        self.group.handle_started(now, id);
+        let Some(p) = self.pending.get_mut(&id) else { return };
+        match &mut p.payload {
+            Payload::Send { peer, tag, tensor } => {
+                let bytes = Bytes::copy_from_slice(tensor.bytes());
+                let header = FrameHeader::p2p(self.gid, launch.seq, self.me, *tag, bytes.len() as u64);
+                let peer = *peer;
+                p.data_done = true;
+                if !self.send_frame(id, peer, header, bytes) {
+                    let message = format!("connection to rank {peer} is closed");
+                    self.group.handle_completion(now, id, Completion::Failed { rank: Some(peer), message });
+                }
+            }
+            Payload::Recv { peer, tag, .. } => {
+                let (peer, tag) = (*peer, *tag);
+                let key = match peer {
+                    Some(p) => self.inbox.get(&(p, tag)).filter(|q| !q.is_empty()).map(|_| (p, tag)),
+                    None => self.inbox.iter().find(|((_, t), q)| *t == tag && !q.is_empty()).map(|(k, _)| *k),
+                };
+                match key.and_then(|k| self.inbox.get_mut(&k).and_then(VecDeque::pop_front).map(|b| (k.0, b))) {
+                    Some((from, bytes)) => self.complete_recv(now, id, from, bytes),
+                    None => match peer.and_then(|p| self.closed.get(&p).map(|why| (p, why.clone()))) {
+                        // Everything the peer sent arrived before its connection closed.
+                        Some((p, why)) => {
+                            let message = format!("nothing from rank {p} with tag {tag} arrived before: {why}");
+                            self.group.handle_completion(now, id, Completion::Failed { rank: Some(p), message });
+                        }
+                        None => self.posted_recvs.push(id),
+                    },
+                }
+            }
+            Payload::Collective { request, run } => {
+                match CollectiveRun::start(request, self.me, self.group.config().world_size, launch.seq) {
+                    Ok(r) => *run = Some(Box::new(r)),
+                    Err(message) => {
+                        self.group.handle_completion(now, id, Completion::Failed { rank: None, message });
+                        return;
+                    }
+                }
+                self.running.insert(launch.seq, id);
+                // Frames that arrived before this rank started the collective are fed before
+                // asking whether it waits on a closed peer: a peer that sent its part and then
+                // shut down cleanly left everything needed here.
+                self.starting = true;
+                self.after_step(now, id, Ok(()));
+                for (from, step, tag, bytes) in self.early.remove(&launch.seq).unwrap_or_default() {
+                    if !self.running.contains_key(&launch.seq) {
+                        break;
+                    }
+                    self.feed(now, id, from, step, tag, bytes);
+                }
+                self.starting = false;
+                if self.running.contains_key(&launch.seq) {
+                    self.fail_if_stranded(now, id);
+                }
+            }
+        }
+    }
+
+    fn handle_event(&mut self, event: Event, effects: &mut Effects) {
+        match event {
+            Event::WorkFinished(summary) => {
+                if !summary.is_p2p {
+                    self.running.remove(&summary.seq);
+                    self.last_finished_seq = self.last_finished_seq.max(summary.seq);
+                    self.early.retain(|&s, _| s > self.last_finished_seq);
+                }
+                self.posted_recvs.retain(|&id| id != summary.id);
+                if let Some(p) = self.pending.remove(&summary.id) {
+                    effects.finished.0.push((p.completer, summary, p.outputs));
+                }
+            }
+            Event::PeerLost { rank, reason } => {
+                tracing::warn!(%rank, %reason, "peer lost");
+            }
+            Event::GroupFailed(failure) => {
+                tracing::error!(origin = %failure.origin, culprit = ?failure.culprit, "process group failed: {}", failure.message);
+                effects.failed = Some((failure.origin, failure.message));
+            }
+            Event::GroupAborted { reason } => {
+                tracing::warn!(%reason, "process group aborted");
+                effects.failed.get_or_insert((self.me, reason));
+            }
+            Event::TearDown { cause } => effects.tear_down = Some(cause),
+            _ => {}
+        }
+    }
+}
+
+/// Queue a frame for `to`; false if the link is gone.
+fn send(writers: &[Option<mpsc::UnboundedSender<Outbound>>], to: Rank, out: Outbound) -> bool {
+    match writers.get(to.index()).and_then(Option::as_ref) {
+        Some(tx) => tx.send(out).is_ok(),
+        None => false,
+    }
+}

@@ -1,0 +1,494 @@
+//! [`Work`]: the handle a collective returns, as c10d's `Work`.
+//!
+//! A work is finished exactly once by the runtime (its driver calls [`WorkCompleter::finish`]);
+//! any number of threads or tasks may wait for it, synchronously ([`Work::wait`],
+//! [`Work::wait_timeout`]) or asynchronously (`work.await`). [`Work::from_future`] wraps any
+//! future as a work, as c10d's `FutureWrappingWork`.
+
+use std::fmt;
+use std::future::Future;
+use std::pin::Pin;
+use std::sync::{Arc, Condvar, Mutex, MutexGuard};
+use std::task::{Context, Poll, Waker};
+use std::time::Duration;
+
+use cohort_core::group::WorkSummary;
+use cohort_core::tensor::Tensor;
+use cohort_core::work::{Lifecycle, OpType, Rank, SeqNo, WorkId, WorkResult, WorkState};
+
+/// Why a work did not succeed.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum WorkError {
+    /// The work ended without success; the result says how (timeout, comm error naming the
+    /// rank, remote error naming the origin, abort).
+    #[error("{op} (seq {seq}) {state}: {result}", state = state_word(result.terminal_state()))]
+    Failed {
+        /// The op.
+        op: OpType,
+        /// Its sequence number.
+        seq: SeqNo,
+        /// How it ended.
+        result: WorkResult,
+    },
+    /// [`Work::wait_timeout`] gave up; the work itself goes on.
+    #[error("{op} (seq {seq}) did not finish within {} ms", waited.as_millis())]
+    WaitTimedOut {
+        /// The op.
+        op: OpType,
+        /// Its sequence number.
+        seq: SeqNo,
+        /// How long the caller waited.
+        waited: Duration,
+    },
+    /// The runtime dropped the work without finishing it (it shut down).
+    #[error("{op} (seq {seq}) was dropped by the runtime before it finished")]
+    Dropped {
+        /// The op.
+        op: OpType,
+        /// Its sequence number.
+        seq: SeqNo,
+    },
+}
+
+fn state_word(state: WorkState) -> &'static str {
+    match state {
+        WorkState::Completed => "completed",
+        WorkState::Failed => "failed",
+        WorkState::TimedOut => "timed out",
+        WorkState::Aborted => "was aborted",
+        WorkState::Enqueued | WorkState::Started => "is unfinished",
+    }
+}
+
+impl WorkError {
+    /// The [`WorkResult`] this error stands for (a wait that gave up or a dropped work become
+    /// a `CommError` with this error's text).
+    pub fn to_result(&self) -> WorkResult {
+        match self {
+            WorkError::Failed { result, .. } => result.clone(),
+            other => WorkResult::CommError { rank: None, message: other.to_string() },
+        }
+    }
+
+    /// The rank this error blames, if any.
+    pub fn culprit(&self) -> Option<Rank> {
+        match self {
+            WorkError::Failed { result, .. } => result.culprit(),
+            _ => None,
+        }
+    }
+}
+
+impl From<WorkError> for std::io::Error {
+    fn from(e: WorkError) -> Self {
+        let kind = match &e {
+            WorkError::WaitTimedOut { .. } => std::io::ErrorKind::TimedOut,
+            WorkError::Failed { result, .. } if result.terminal_state() == WorkState::TimedOut => {
+                std::io::ErrorKind::TimedOut
+            }
+            WorkError::Failed { result, .. } if result.terminal_state() == WorkState::Aborted => {
+                std::io::ErrorKind::ConnectionAborted
+            }
+            _ => std::io::ErrorKind::Other,
+        };
+        std::io::Error::new(kind, e)
+    }
+}
+
+/// What a finished work reports to an on-completion hook.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct WorkInfo {
+    /// Its sequence number.
+    pub seq: SeqNo,
+    /// The op.
+    pub op: OpType,
+    /// How it ended.
+    pub state: WorkState,
+    /// From start (or enqueue) to end.
+    pub duration: Option<Duration>,
+}
+
+/// Called with every finished work (c10d's `register_on_completion_hook`).
+pub type CompletionHook = Arc<dyn Fn(&WorkInfo) + Send + Sync>;
+
+/// Asks the runtime to abort a work.
+pub type AbortFn = Box<dyn Fn(&str) + Send + Sync>;
+
+struct Slot {
+    summary: Option<WorkSummary>,
+    outputs: Option<Vec<Tensor>>,
+    dropped: bool,
+    wakers: Vec<Waker>,
+}
+
+struct Shared {
+    op: OpType,
+    seq: SeqNo,
+    id: WorkId,
+    source_rank: Mutex<Option<Rank>>,
+    slot: Mutex<Slot>,
+    cond: Condvar,
+    abort: Mutex<Option<AbortFn>>,
+}
+
+impl Shared {
+    fn lock(&self) -> MutexGuard<'_, Slot> {
+        // A poisoned lock means a waiter panicked while holding it; the slot is still
+        // consistent (every write is a single assignment), so keep going.
+        self.slot.lock().unwrap_or_else(|p| p.into_inner())
+    }
+}
+
+/// A running or finished collective. Clone it freely: clones are the same work.
+#[derive(Clone)]
+pub struct Work {
+    shared: Arc<Shared>,
+}
+
+/// The runtime's side of a [`Work`]: finishes it exactly once. Dropping it unfinished makes
+/// waiters see [`WorkError::Dropped`].
+pub struct WorkCompleter {
+    shared: Arc<Shared>,
+    hook: Option<CompletionHook>,
+    done: bool,
+}
+
+impl Work {
+    /// A new unfinished work and its completer.
+    pub fn pending(id: WorkId, seq: SeqNo, op: OpType, hook: Option<CompletionHook>) -> (Work, WorkCompleter) {
+        let shared = Arc::new(Shared {
+            op,
+            seq,
+            id,
+            source_rank: Mutex::new(None),
+            slot: Mutex::new(Slot { summary: None, outputs: None, dropped: false, wakers: Vec::new() }),
+            cond: Condvar::new(),
+            abort: Mutex::new(None),
+        });
+        (Work { shared: shared.clone() }, WorkCompleter { shared, hook, done: false })
+    }
+
+    /// Wrap a future as a work (c10d's `FutureWrappingWork`): it succeeds with the future's
+    /// tensors or fails with its error message. The future runs on the current tokio runtime.
+    pub fn from_future<F>(op: OpType, fut: F) -> Work
+    where
+        F: Future<Output = Result<Vec<Tensor>, String>> + Send + 'static,
+    {
+        Work::from_work_future(&tokio::runtime::Handle::current(), op, async move {
+            fut.await.map_err(|message| WorkResult::CommError { rank: None, message })
+        })
+    }
+
+    /// Wrap a future that fails with a [`WorkResult`] (so a failure of the works it awaited,
+    /// with the rank they blame, passes through unchanged), running it on `runtime`. For
+    /// compound works such as communication hooks.
+    pub fn from_work_future<F>(runtime: &tokio::runtime::Handle, op: OpType, fut: F) -> Work
+    where
+        F: Future<Output = Result<Vec<Tensor>, WorkResult>> + Send + 'static,
+    {
+        let (work, completer) = Work::pending(WorkId(0), SeqNo(0), op, None);
+        let handle = runtime.spawn(async move {
+            let now = Duration::ZERO;
+            let mut lifecycle = Lifecycle::new(now);
+            lifecycle.start(now).expect("a new lifecycle starts");
+            match fut.await {
+                Ok(outputs) => {
+                    lifecycle.finish(now, WorkState::Completed).expect("a started lifecycle finishes");
+                    completer.finish(WorkResult::Success, lifecycle, outputs);
+                }
+                Err(result) => {
+                    let state = match result.terminal_state() {
+                        WorkState::Completed | WorkState::Enqueued | WorkState::Started => WorkState::Failed,
+                        s => s,
+                    };
+                    let result = if result.is_success() {
+                        WorkResult::CommError { rank: None, message: "the wrapped future failed".into() }
+                    } else {
+                        result
+                    };
+                    lifecycle.finish(now, state).expect("a started lifecycle finishes");
+                    completer.finish(result, lifecycle, Vec::new());
+                }
+            }
+        });
+        let abort_handle = handle.abort_handle();
+        work.set_abort(Box::new(move |_| abort_handle.abort()));
+        work
+    }
+
+    /// Let [`Work::abort`] reach the runtime.
+    pub fn set_abort(&self, f: AbortFn) {
+        *self.shared.abort.lock().unwrap_or_else(|p| p.into_inner()) = Some(f);
+    }
+
+    /// Block until the work ends; `Ok` if it succeeded.
+    pub fn wait(&self) -> Result<(), WorkError> {
+        let mut slot = self.shared.lock();
+        while slot.summary.is_none() && !slot.dropped {
+            slot = self.shared.cond.wait(slot).unwrap_or_else(|p| p.into_inner());
+        }
+        self.outcome(&slot)
+    }
+
+    /// Block at most `timeout`. The work goes on after [`WorkError::WaitTimedOut`] (its own
+    /// deadline is the watchdog's business).
+    pub fn wait_timeout(&self, timeout: Duration) -> Result<(), WorkError> {
+        let slot = self.shared.lock();
+        let (slot, _) = self
+            .shared
+            .cond
+            .wait_timeout_while(slot, timeout, |s| s.summary.is_none() && !s.dropped)
+            .unwrap_or_else(|p| p.into_inner());
+        if slot.summary.is_none() && !slot.dropped {
+            return Err(WorkError::WaitTimedOut { op: self.shared.op, seq: self.shared.seq, waited: timeout });
+        }
+        self.outcome(&slot)
+    }
+
+    /// Whether the work has ended (successfully or not).
+    pub fn is_completed(&self) -> bool {
+        let slot = self.shared.lock();
+        slot.summary.is_some() || slot.dropped
+    }
+
+    /// Whether the work ended successfully.
+    pub fn is_success(&self) -> bool {
+        self.shared.lock().summary.as_ref().is_some_and(|s| s.result.is_success())
+    }
+
+    /// The error the work ended with, if it failed (c10d's `exception()`).
+    pub fn exception(&self) -> Option<WorkError> {
+        let slot = self.shared.lock();
+        if slot.summary.is_none() && !slot.dropped {
+            return None;
+        }
+        self.outcome(&slot).err()
+    }
+
+    /// Wait, then take the output tensors (the first call gets them; later calls get an empty
+    /// list).
+    pub fn result(&self) -> Result<Vec<Tensor>, WorkError> {
+        self.wait()?;
+        Ok(self.shared.lock().outputs.take().unwrap_or_default())
+    }
+
+    /// The rank a `recv_anysource` received from, once known.
+    pub fn source_rank(&self) -> Option<Rank> {
+        *self.shared.source_rank.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// How long the work ran, once it ended.
+    pub fn duration(&self) -> Option<Duration> {
+        self.shared.lock().summary.as_ref().and_then(|s| s.lifecycle.duration())
+    }
+
+    /// The work's state.
+    pub fn state(&self) -> WorkState {
+        let slot = self.shared.lock();
+        match &slot.summary {
+            Some(s) => s.lifecycle.state(),
+            None if slot.dropped => WorkState::Aborted,
+            None => WorkState::Enqueued,
+        }
+    }
+
+    /// Its sequence number in its group.
+    pub fn seq(&self) -> SeqNo {
+        self.shared.seq
+    }
+
+    /// Its id in its group.
+    pub fn id(&self) -> WorkId {
+        self.shared.id
+    }
+
+    /// The op.
+    pub fn op(&self) -> OpType {
+        self.shared.op
+    }
+
+    /// Ask the runtime to abort this work (and, as c10d does, the group it runs on).
+    pub fn abort(&self) {
+        if let Some(f) = self.shared.abort.lock().unwrap_or_else(|p| p.into_inner()).as_ref() {
+            f(&format!("{} (seq {}) aborted by the user", self.shared.op, self.shared.seq));
+        }
+    }
+
+    fn outcome(&self, slot: &Slot) -> Result<(), WorkError> {
+        match &slot.summary {
+            Some(s) if s.result.is_success() => Ok(()),
+            Some(s) => Err(WorkError::Failed { op: self.shared.op, seq: self.shared.seq, result: s.result.clone() }),
+            None => Err(WorkError::Dropped { op: self.shared.op, seq: self.shared.seq }),
+        }
+    }
+}
+
+impl Future for Work {
+    type Output = Result<Vec<Tensor>, WorkError>;
+
+    fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
+        let mut slot = self.shared.lock();
+        if slot.summary.is_none() && !slot.dropped {
+            if !slot.wakers.iter().any(|w| w.will_wake(cx.waker())) {
+                slot.wakers.push(cx.waker().clone());
+            }
+            return Poll::Pending;
+        }
+        let outcome = self.outcome(&slot);
+        Poll::Ready(outcome.map(|()| slot.outputs.take().unwrap_or_default()))
+    }
+}
+
+impl fmt::Debug for Work {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Work")
+            .field("op", &self.shared.op)
+            .field("seq", &self.shared.seq)
+            .field("state", &self.state())
+            .finish()
+    }
+}
+
+impl WorkCompleter {
+    /// Record the rank a `recv_anysource` received from.
+    pub fn set_source_rank(&self, rank: Rank) {
+        *self.shared.source_rank.lock().unwrap_or_else(|p| p.into_inner()) = Some(rank);
+    }
+
+    /// Finish the work: wake every waiter, run the hook.
+    pub fn finish(self, result: WorkResult, lifecycle: Lifecycle, outputs: Vec<Tensor>) {
+        let summary = WorkSummary {
+            id: self.shared.id,
+            seq: self.shared.seq,
+            is_p2p: self.shared.op.is_p2p(),
+            op: self.shared.op,
+            result,
+            lifecycle,
+        };
+        self.finish_with(summary, outputs);
+    }
+
+    /// Finish the work from the core's summary.
+    pub fn finish_with(mut self, summary: WorkSummary, outputs: Vec<Tensor>) {
+        let info = WorkInfo {
+            seq: summary.seq,
+            op: summary.op,
+            state: summary.lifecycle.state(),
+            duration: summary.lifecycle.duration(),
+        };
+        let wakers = {
+            let mut slot = self.shared.lock();
+            slot.summary = Some(summary);
+            slot.outputs = Some(outputs);
+            std::mem::take(&mut slot.wakers)
+        };
+        self.done = true;
+        self.shared.cond.notify_all();
+        wakers.into_iter().for_each(Waker::wake);
+        if let Some(hook) = &self.hook {
+            hook(&info);
+        }
+    }
+}
+
+impl Drop for WorkCompleter {
+    fn drop(&mut self) {
+        if self.done {
+            return;
+        }
+        let wakers = {
+            let mut slot = self.shared.lock();
+            slot.dropped = true;
+            std::mem::take(&mut slot.wakers)
+        };
+        self.shared.cond.notify_all();
+        wakers.into_iter().for_each(Waker::wake);
+    }
+}
+
+impl fmt::Debug for WorkCompleter {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("WorkCompleter").field("op", &self.shared.op).field("seq", &self.shared.seq).finish()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::atomic::{AtomicUsize, Ordering};
+
+    use super::*;
+
+    fn finished_lifecycle(state: WorkState) -> Lifecycle {
+        let mut l = Lifecycle::new(Duration::ZERO);
+        l.start(Duration::from_millis(1)).unwrap();
+        l.finish(Duration::from_millis(4), state).unwrap();
+        l
+    }
+
+    #[test]
+    fn wait_returns_after_finish_from_another_thread() {
+        let (work, completer) = Work::pending(WorkId(1), SeqNo(3), OpType::Allreduce, None);
+        assert!(!work.is_completed());
+        let t = std::thread::spawn(move || {
+            completer.finish(
+                WorkResult::Success,
+                finished_lifecycle(WorkState::Completed),
+                vec![Tensor::from_slice(&[1.0f32])],
+            )
+        });
+        work.wait().unwrap();
+        t.join().unwrap();
+        assert!(work.is_success());
+        assert_eq!(work.duration(), Some(Duration::from_millis(3)));
+        assert_eq!(work.result().unwrap(), vec![Tensor::from_slice(&[1.0f32])]);
+        assert_eq!(work.exception(), None);
+    }
+
+    #[test]
+    fn failures_name_op_seq_and_culprit() {
+        let (work, completer) = Work::pending(WorkId(1), SeqNo(5), OpType::Broadcast, None);
+        completer.finish(
+            WorkResult::CommError { rank: Some(Rank(2)), message: "connection to rank 2 lost: EOF".into() },
+            finished_lifecycle(WorkState::Failed),
+            vec![],
+        );
+        let err = work.wait().unwrap_err();
+        assert_eq!(err.to_string(), "broadcast (seq 5) failed: connection to rank 2 lost: EOF");
+        assert_eq!(err.culprit(), Some(Rank(2)));
+        assert_eq!(work.exception(), Some(err));
+        assert_eq!(work.state(), WorkState::Failed);
+    }
+
+    #[test]
+    fn wait_timeout_gives_up_without_ending_the_work() {
+        let (work, completer) = Work::pending(WorkId(1), SeqNo(1), OpType::Barrier, None);
+        let err = work.wait_timeout(Duration::from_millis(5)).unwrap_err();
+        assert!(matches!(err, WorkError::WaitTimedOut { .. }), "{err}");
+        assert!(!work.is_completed());
+        drop(completer);
+        assert!(matches!(work.wait(), Err(WorkError::Dropped { .. })));
+    }
+
+    #[test]
+    fn hook_sees_every_finished_work() {
+        let seen = Arc::new(AtomicUsize::new(0));
+        let s = seen.clone();
+        let hook: CompletionHook = Arc::new(move |info: &WorkInfo| {
+            assert_eq!(info.state, WorkState::TimedOut);
+            s.fetch_add(1, Ordering::SeqCst);
+        });
+        let (_work, completer) = Work::pending(WorkId(1), SeqNo(1), OpType::Allreduce, Some(hook));
+        completer.finish(WorkResult::Timeout { message: "t".into() }, finished_lifecycle(WorkState::TimedOut), vec![]);
+        assert_eq!(seen.load(Ordering::SeqCst), 1);
+    }
+
+    #[tokio::test]
+    async fn await_and_from_future() {
+        let work = Work::from_future(OpType::Allreduce, async { Ok(vec![Tensor::from_slice(&[2i32])]) });
+        assert_eq!(work.clone().await.unwrap(), vec![Tensor::from_slice(&[2i32])]);
+        let failing = Work::from_future(OpType::Gather, async { Err("nope".to_string()) });
+        let err = failing.await.unwrap_err();
+        assert_eq!(err.to_string(), "gather (seq 0) failed: nope");
+    }
+}
