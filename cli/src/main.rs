@@ -9,6 +9,7 @@ mod bench;
 mod demo;
 mod fr;
 mod launch;
+mod sim;
 mod store;
 mod timeline;
 
@@ -36,6 +37,9 @@ enum Command {
     Bench(bench::BenchArgs),
     /// Serve the TCPStore protocol (PyTorch's clients can use it).
     Store(store::StoreArgs),
+    /// Run a simulated job under a fault plan (crash, hang, partition, desync…) and print each
+    /// rank's outcomes and the diagnosis; the same seed gives the same output.
+    Sim(sim::SimArgs),
     /// Read flight-recorder dumps: analyze a folder, show a file, draw a timeline.
     Fr(fr::FrArgs),
 }
@@ -61,7 +65,7 @@ fn main() -> ExitCode {
             return ExitCode::from(2);
         }
     };
-    if matches!(cli.command, Command::Fr(_)) {
+    if matches!(cli.command, Command::Fr(_) | Command::Sim(_)) {
         // `cohort fr show … | head` should end quietly, as other Unix tools do, rather than
         // panic on a closed pipe. Only here: the ranks' sockets keep Rust's default.
         // SAFETY: restoring the default disposition of a signal before any thread starts.
@@ -73,6 +77,7 @@ fn main() -> ExitCode {
         Command::Launch(args) => launch::run(args),
         Command::Bench(args) => bench::run(args),
         Command::Store(args) => store::run(args),
+        Command::Sim(args) => sim::run(args),
         Command::Fr(args) => fr::run(args),
     };
     match result {

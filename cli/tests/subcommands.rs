@@ -175,3 +175,32 @@ fn fr_analyzes_shows_and_draws_torch_shaped_dumps() {
     assert!(text(&out.stderr).contains("broken.json"), "{}", text(&out.stderr));
     std::fs::remove_dir_all(&dir).ok();
 }
+
+#[test]
+fn sim_replays_a_seed_to_the_same_output_and_names_the_hung_rank() {
+    let dir = std::env::temp_dir().join(format!("cohort-sim-test-{}", std::process::id()));
+    let dumps = dir.to_str().unwrap();
+    let args = ["sim", "--ranks", "3", "--seed", "5", "--fault", "hang:1@seq2", "--script", "allreduce:64,allreduce:64,barrier"];
+    let first = cohort(&args);
+    assert_eq!(first.status.code(), Some(0), "{}", text(&first.stderr));
+    let out = text(&first.stdout);
+    assert!(out.contains("rank 1: hung before collective 1"), "{out}");
+    assert!(out.contains("rank(s) [1] never joined it"), "{out}");
+    assert!(out.contains("culprit rank(s): [1]"), "{out}");
+    assert_eq!(text(&cohort(&args).stdout), out, "same seed, same output");
+
+    let with_dumps = [&args[..], &["--dumps", dumps]].concat();
+    assert_eq!(cohort(&with_dumps).status.code(), Some(0));
+    let analyzed = cohort(&["fr", "analyze", dumps]);
+    assert!(text(&analyzed.stdout).contains("culprit rank(s): [1]"), "{}", text(&analyzed.stdout));
+    std::fs::remove_dir_all(&dir).ok();
+
+    let bad = cohort(&["sim", "--fault", "crash:x@seq1"]);
+    assert_eq!(bad.status.code(), Some(2));
+    assert!(text(&bad.stderr).contains("--fault: fault \"crash:x@seq1\": rank \"x\" is not a number"));
+    let bad = cohort(&["sim", "--ranks", "2", "--fault", "crash:5@seq1"]);
+    assert_eq!(bad.status.code(), Some(2));
+    assert!(text(&bad.stderr).contains("rank 5 is not a rank of a 2-rank world"), "{}", text(&bad.stderr));
+    let bad = cohort(&["sim", "--script", "allreduse"]);
+    assert!(text(&bad.stderr).contains("--script: unknown collective"), "{}", text(&bad.stderr));
+}

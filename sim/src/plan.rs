@@ -18,7 +18,10 @@
 //! | `desync R @collective K op=OP` / `numel=N` / `dtype=D` | the rank calls another op, size or dtype at K |
 //! | `store-crash @T ms` | the store's host dies |
 //!
-//! Spaces around `ms` are optional (`@500ms`).
+//! Spaces around `ms` are optional (`@500ms`). `op=other`, `numel=other` and `dtype=other`
+//! change to the next op, twice the size plus one, or f64 (f32 from f64). The compact
+//! one-word form `crash:3@seq5`, `hang:2@seq4`, `partition:0-1@t=2s`, `desync-size:1@seq3`
+//! (see [`Fault`]'s `FromStr`) reads the same faults; `seqN` is the N-th collective.
 
 use std::fmt;
 use std::str::FromStr;
@@ -48,6 +51,12 @@ pub enum Change {
     Numel(usize),
     /// Passes this dtype instead.
     Dtype(DType),
+    /// Calls the next collective in [`ScriptOp::ALL`] instead.
+    OtherOp,
+    /// Passes twice the elements plus one.
+    OtherSize,
+    /// Passes f64 instead (f32 if it was f64).
+    OtherDtype,
 }
 
 /// One fault.
@@ -225,6 +234,9 @@ impl fmt::Display for Fault {
                     Change::Op(op) => write!(f, "op={op}"),
                     Change::Numel(n) => write!(f, "numel={n}"),
                     Change::Dtype(d) => write!(f, "dtype={}", crate::workload::dtype_short(d)),
+                    Change::OtherOp => write!(f, "op=other"),
+                    Change::OtherSize => write!(f, "numel=other"),
+                    Change::OtherDtype => write!(f, "dtype=other"),
                 }
             }
             Fault::StoreCrash { at_ms } => write!(f, "store-crash @{at_ms}ms"),
@@ -304,9 +316,65 @@ impl Words<'_> {
     }
 }
 
+/// The compact form, one word: `crash:3@seq5`, `crash:3@t=2s`, `hang:2@seq4`,
+/// `partition:0-1@t=2s`, `isolate:1@t=500ms`, `hold:0-1@t=1s`, `slow:2@100ms`,
+/// `desync-op:1@seq3`, `desync-size:1@seq3`, `desync-dtype:1@seq3`, `store-crash@t=1s`.
+/// `seqN` is the N-th collective (1-based, the sequence number a script's collective gets).
+fn compact(text: &str) -> Result<Fault, String> {
+    let err = |what: &str| format!("fault {text:?}: {what}");
+    let (head, when) = text.split_once('@').ok_or_else(|| err("expected KIND:RANK@WHEN"))?;
+    let (kind, who) = head.split_once(':').unwrap_or((head, ""));
+    let rank = || who.parse::<u32>().map_err(|_| err(&format!("rank {who:?} is not a number")));
+    let link = || {
+        let (a, b) = who.split_once('-').ok_or_else(|| err(&format!("expected a link A-B, got {who:?}")))?;
+        let p = |x: &str| x.parse::<u32>().map_err(|_| err(&format!("rank {x:?} is not a number")));
+        Ok::<_, String>((p(a)?, p(b)?))
+    };
+    let seq = || {
+        let n = when.strip_prefix("seq").ok_or_else(|| err(&format!("expected seqN, got {when:?}")))?;
+        let n: usize = n.parse().map_err(|_| err(&format!("seq {n:?} is not a number")))?;
+        n.checked_sub(1).ok_or_else(|| err("seq numbers start at 1"))
+    };
+    let ms = |v: &str| -> Result<u64, String> {
+        let (n, scale) = if let Some(n) = v.strip_suffix("ms") {
+            (n, 1)
+        } else if let Some(n) = v.strip_suffix('s') {
+            (n, 1000)
+        } else {
+            return Err(err(&format!("time {v:?} needs a unit (ms or s)")));
+        };
+        n.parse::<u64>().map(|n| n * scale).map_err(|_| err(&format!("time {v:?} is not a number")))
+    };
+    let time = || ms(when.strip_prefix("t=").ok_or_else(|| err(&format!("expected t=TIME, got {when:?}")))?);
+    let desync = |change| Ok::<_, String>(Fault::Desync { rank: rank()?, collective: seq()?, change });
+    match kind {
+        "crash" if when.starts_with("seq") => Ok(Fault::Crash { rank: rank()?, at: Trigger::Collective(seq()?) }),
+        "crash" => Ok(Fault::Crash { rank: rank()?, at: Trigger::AtMs(time()?) }),
+        "hang" => Ok(Fault::Hang { rank: rank()?, collective: seq()? }),
+        "partition" => {
+            let (a, b) = link()?;
+            Ok(Fault::Partition { a, b, at_ms: time()?, until_ms: None })
+        }
+        "isolate" => Ok(Fault::Isolate { rank: rank()?, at_ms: time()?, until_ms: None }),
+        "hold" => {
+            let (a, b) = link()?;
+            Ok(Fault::Hold { a, b, at_ms: time()?, until_ms: None })
+        }
+        "slow" => Ok(Fault::Slow { rank: rank()?, delay_ms: ms(when)? }),
+        "desync-op" => desync(Change::OtherOp),
+        "desync-size" => desync(Change::OtherSize),
+        "desync-dtype" => desync(Change::OtherDtype),
+        "store-crash" => Ok(Fault::StoreCrash { at_ms: time()? }),
+        other => Err(err(&format!("unknown fault {other:?}"))),
+    }
+}
+
 impl FromStr for Fault {
     type Err = String;
     fn from_str(text: &str) -> Result<Fault, String> {
+        if !text.trim().contains(' ') && text.contains('@') && !text.trim().starts_with('@') {
+            return compact(text.trim());
+        }
         let mut w = Words { text, words: words(text).into_iter() };
         let kind = w.next("a fault (crash, hang, partition, isolate, hold, latency, slow, desync, store-crash)")?;
         let fault = match kind.as_str() {
@@ -360,6 +428,9 @@ impl FromStr for Fault {
                 let collective = w.collective()?;
                 let spec = w.next("op=OP, numel=N or dtype=D")?;
                 let change = match spec.split_once('=') {
+                    Some(("op", "other")) => Change::OtherOp,
+                    Some(("numel", "other")) => Change::OtherSize,
+                    Some(("dtype", "other")) => Change::OtherDtype,
                     Some(("op", op)) => Change::Op(op.parse().map_err(|e: String| w.err(&e))?),
                     Some(("numel", n)) => {
                         Change::Numel(n.parse().map_err(|_| w.err(&format!("numel {n:?} is not a number")))?)
@@ -520,6 +591,25 @@ mod tests {
             Fault::Latency { a: 0, b: 1, latency_ms: 5, at_ms: 0 }
         );
         plan.validate(4, Some(&Script::allreduces(4, 8))).unwrap();
+    }
+
+    #[test]
+    fn the_compact_form_reads_the_same_faults() {
+        let f = |s: &str| s.parse::<Fault>().unwrap();
+        assert_eq!(f("crash:3@seq5"), Fault::Crash { rank: 3, at: Trigger::Collective(4) });
+        assert_eq!(f("crash:3@t=2s"), Fault::Crash { rank: 3, at: Trigger::AtMs(2000) });
+        assert_eq!(f("hang:2@seq4"), Fault::Hang { rank: 2, collective: 3 });
+        assert_eq!(f("partition:0-1@t=2s"), Fault::Partition { a: 0, b: 1, at_ms: 2000, until_ms: None });
+        assert_eq!(f("isolate:1@t=500ms"), Fault::Isolate { rank: 1, at_ms: 500, until_ms: None });
+        assert_eq!(f("slow:2@100ms"), Fault::Slow { rank: 2, delay_ms: 100 });
+        assert_eq!(f("desync-size:1@seq3"), Fault::Desync { rank: 1, collective: 2, change: Change::OtherSize });
+        assert_eq!(f("store-crash@t=1s"), Fault::StoreCrash { at_ms: 1000 });
+        assert_eq!(f("desync-op:0@seq1").to_string().parse::<Fault>().unwrap(), f("desync-op:0@seq1"));
+        let err = |s: &str| s.parse::<Fault>().unwrap_err();
+        assert!(err("crash:x@seq1").contains("rank \"x\" is not a number"));
+        assert!(err("hang:1@seq0").contains("start at 1"));
+        assert!(err("partition:0-1@t=2").contains("needs a unit"));
+        assert!(err("melt:1@seq1").contains("unknown fault \"melt\""));
     }
 
     #[test]

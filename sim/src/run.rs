@@ -20,7 +20,8 @@ use serde::{Deserialize, Serialize};
 
 use crate::net::TurmoilNet;
 use crate::plan::{Change, Fault, FaultPlan, Trigger};
-use crate::workload::{Script, Step, check, submit};
+use crate::workload::{Script, ScriptOp, Step, check, submit};
+use cohort_core::tensor::DType;
 
 /// The port the simulated store listens on.
 pub const STORE_PORT: u16 = 29500;
@@ -456,6 +457,14 @@ impl RankFaults {
                     Change::Op(op) => step.op = op,
                     Change::Numel(n) => step.numel = n,
                     Change::Dtype(d) => step.dtype = d,
+                    Change::OtherOp => {
+                        let i = ScriptOp::ALL.iter().position(|o| *o == step.op).unwrap_or(0);
+                        step.op = ScriptOp::ALL[(i + 1) % ScriptOp::ALL.len()];
+                    }
+                    Change::OtherSize => step.numel = step.numel * 2 + 1,
+                    Change::OtherDtype => {
+                        step.dtype = if step.dtype == DType::F64 { DType::F32 } else { DType::F64 };
+                    }
                 }
             }
         }
@@ -785,6 +794,17 @@ impl RankCtx {
         let mut in_flight: VecDeque<(usize, Step, Work, u64)> = VecDeque::new();
         let mut first_error: Option<String> = None;
         for (k, &step) in script.steps.iter().enumerate() {
+            // Wait as a caller with `window` works in flight would, before anything else
+            // happens at this step.
+            while in_flight.len() >= script.window {
+                let Some(w) = in_flight.pop_front() else { break };
+                if let Err(e) = self.finish(w).await {
+                    first_error.get_or_insert(e);
+                }
+            }
+            if first_error.is_some() {
+                break;
+            }
             if self.faults.crash_at_collective == Some(k) {
                 self.slot().crash_requested = true;
                 // The controller crashes this host before its next tick.
@@ -801,15 +821,6 @@ impl RankCtx {
                 tokio::time::sleep(d).await;
             }
             let call = self.faults.apply(k, step);
-            while in_flight.len() >= script.window {
-                let Some(w) = in_flight.pop_front() else { break };
-                if let Err(e) = self.finish(w).await {
-                    first_error.get_or_insert(e);
-                }
-            }
-            if first_error.is_some() {
-                break;
-            }
             let submitted_ms = sim_ms();
             match submit(pg, &call) {
                 Ok(work) => in_flight.push_back((k, call, work, submitted_ms)),

@@ -79,7 +79,7 @@ fn desync_of_size() {
 
 #[test]
 fn desync_of_dtype() {
-    let report = run(3, 16, "allreduce:256,allgather:64,barrier", "desync 2 @collective 1 dtype=f64");
+    let report = run(4, 16, "allreduce:256,allgather:64,barrier", "desync 2 @collective 1 dtype=f64");
     insta::assert_snapshot!(report.summary());
     assert_eq!(report.blamed(), vec![2]);
 }
