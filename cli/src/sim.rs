@@ -65,7 +65,8 @@ pub(crate) fn run(args: SimArgs) -> Result<i32, String> {
         }
         plan
     };
-    let mut sim = Simulation::new(args.ranks).script(script).faults(plan).timeout(Duration::from_millis(args.timeout_ms));
+    let mut sim =
+        Simulation::new(args.ranks).script(script).faults(plan).timeout(Duration::from_millis(args.timeout_ms));
     if let Some(seed) = args.seed {
         sim = sim.seed(seed);
     }
@@ -85,7 +86,12 @@ pub(crate) fn run(args: SimArgs) -> Result<i32, String> {
                 n += 1;
             }
         }
-        println!("{n} dumps written to {} (cohort fr analyze {} --world-size {})", dir.display(), dir.display(), args.ranks);
+        println!(
+            "{n} dumps written to {} (cohort fr analyze {} --world-size {})",
+            dir.display(),
+            dir.display(),
+            args.ranks
+        );
     }
     Ok(0)
 }

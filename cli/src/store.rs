@@ -34,10 +34,8 @@ pub(crate) fn run(args: StoreArgs) -> Result<i32, String> {
         use tokio::signal::unix::{SignalKind, signal};
         // Register for SIGINT and SIGTERM before announcing the port: a signal that arrives
         // right after the announcement must stop the store cleanly, not kill it.
-        let mut interrupt =
-            signal(SignalKind::interrupt()).map_err(|e| format!("cannot listen for SIGINT: {e}"))?;
-        let mut terminate =
-            signal(SignalKind::terminate()).map_err(|e| format!("cannot listen for SIGTERM: {e}"))?;
+        let mut interrupt = signal(SignalKind::interrupt()).map_err(|e| format!("cannot listen for SIGINT: {e}"))?;
+        let mut terminate = signal(SignalKind::terminate()).map_err(|e| format!("cannot listen for SIGTERM: {e}"))?;
         let bind = SocketAddr::new(args.host, args.port);
         let server = TcpStoreServer::bind(TokioNet, TcpStoreServerConfig::new(bind))
             .await

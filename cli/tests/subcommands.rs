@@ -180,7 +180,17 @@ fn fr_analyzes_shows_and_draws_torch_shaped_dumps() {
 fn sim_replays_a_seed_to_the_same_output_and_names_the_hung_rank() {
     let dir = std::env::temp_dir().join(format!("cohort-sim-test-{}", std::process::id()));
     let dumps = dir.to_str().unwrap();
-    let args = ["sim", "--ranks", "3", "--seed", "5", "--fault", "hang:1@seq2", "--script", "allreduce:64,allreduce:64,barrier"];
+    let args = [
+        "sim",
+        "--ranks",
+        "3",
+        "--seed",
+        "5",
+        "--fault",
+        "hang:1@seq2",
+        "--script",
+        "allreduce:64,allreduce:64,barrier",
+    ];
     let first = cohort(&args);
     assert_eq!(first.status.code(), Some(0), "{}", text(&first.stderr));
     let out = text(&first.stdout);

@@ -132,8 +132,7 @@ fn groups_text(by: &BTreeMap<String, Vec<Rank>>) -> String {
 fn minority(by: &BTreeMap<String, Vec<Rank>>) -> Vec<Rank> {
     let Some(most) = by.values().map(Vec::len).max() else { return Vec::new() };
     let tied = by.values().filter(|r| r.len() == most).count() > 1;
-    let mut out: Vec<Rank> =
-        by.values().filter(|r| tied || r.len() != most).flat_map(|r| r.iter().copied()).collect();
+    let mut out: Vec<Rank> = by.values().filter(|r| tied || r.len() != most).flat_map(|r| r.iter().copied()).collect();
     out.sort();
     out
 }

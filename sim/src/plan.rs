@@ -435,9 +435,7 @@ impl FromStr for Fault {
                     Some(("numel", n)) => {
                         Change::Numel(n.parse().map_err(|_| w.err(&format!("numel {n:?} is not a number")))?)
                     }
-                    Some(("dtype", d)) => {
-                        Change::Dtype(d.parse().map_err(|_| w.err(&format!("unknown dtype {d:?}")))?)
-                    }
+                    Some(("dtype", d)) => Change::Dtype(d.parse().map_err(|_| w.err(&format!("unknown dtype {d:?}")))?),
                     _ => return Err(w.err(&format!("expected op=OP, numel=N or dtype=D, got {spec:?}"))),
                 };
                 Fault::Desync { rank, collective, change }
@@ -586,10 +584,7 @@ mod tests {
         assert_eq!(plan.faults[10], Fault::Desync { rank: 0, collective: 1, change: Change::Dtype(DType::F16) });
         assert_eq!(plan.to_string().parse::<FaultPlan>().unwrap(), plan);
         assert_eq!("crash 2 @ 500 ms".parse::<Fault>().unwrap(), Fault::Crash { rank: 2, at: Trigger::AtMs(500) });
-        assert_eq!(
-            "latency 0-1 5ms".parse::<Fault>().unwrap(),
-            Fault::Latency { a: 0, b: 1, latency_ms: 5, at_ms: 0 }
-        );
+        assert_eq!("latency 0-1 5ms".parse::<Fault>().unwrap(), Fault::Latency { a: 0, b: 1, latency_ms: 5, at_ms: 0 });
         plan.validate(4, Some(&Script::allreduces(4, 8))).unwrap();
     }
 
@@ -643,9 +638,11 @@ mod tests {
             let plan = FaultPlan::random(seed, 4, 5, 100);
             assert_eq!(plan, FaultPlan::random(seed, 4, 5, 100));
             plan.validate(4, Some(&script)).unwrap();
-            kinds.insert(plan.faults.first().map_or("none".to_owned(), |f| {
-                f.to_string().split_whitespace().next().unwrap().to_owned()
-            }));
+            kinds.insert(
+                plan.faults
+                    .first()
+                    .map_or("none".to_owned(), |f| f.to_string().split_whitespace().next().unwrap().to_owned()),
+            );
         }
         assert_eq!(kinds.len(), 10, "every kind is drawn: {kinds:?}");
     }

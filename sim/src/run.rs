@@ -15,7 +15,9 @@ use cohort_core::analyze::{Diagnosis, diagnose};
 use cohort_core::group::{ErrorHandling, HeartbeatConfig};
 use cohort_core::recorder::Dump;
 use cohort_core::work::{Rank, WorkState};
-use cohort_transports::{ProcessGroup, TcpOptions, TcpStore, TcpStoreConfig, TcpStoreServer, TcpStoreServerConfig, Work};
+use cohort_transports::{
+    ProcessGroup, TcpOptions, TcpStore, TcpStoreConfig, TcpStoreServer, TcpStoreServerConfig, Work,
+};
 use serde::{Deserialize, Serialize};
 
 use crate::net::TurmoilNet;
@@ -527,11 +529,9 @@ impl Controller {
                         out.push((u, i, Action::Release(rank_host(a), rank_host(b))));
                     }
                 }
-                Fault::Latency { a, b, latency_ms, at_ms } => out.push((
-                    at_ms,
-                    i,
-                    Action::Latency(rank_host(a), rank_host(b), Duration::from_millis(latency_ms)),
-                )),
+                Fault::Latency { a, b, latency_ms, at_ms } => {
+                    out.push((at_ms, i, Action::Latency(rank_host(a), rank_host(b), Duration::from_millis(latency_ms))))
+                }
                 Fault::StoreCrash { at_ms } => out.push((at_ms, i, Action::StoreCrash)),
                 _ => {}
             }
@@ -595,9 +595,10 @@ impl Controller {
                 let requested = std::mem::take(&mut self.shared.slots[rank as usize].borrow_mut().crash_requested);
                 if requested {
                     self.crash(&mut sim, rank, now);
-                    let i = cfg.plan.faults.iter().position(
-                        |f| matches!(f, Fault::Crash { rank: r, at: Trigger::Collective(_) } if *r == rank),
-                    );
+                    let i =
+                        cfg.plan.faults.iter().position(
+                            |f| matches!(f, Fault::Crash { rank: r, at: Trigger::Collective(_) } if *r == rank),
+                        );
                     if let Some(i) = i {
                         applied.push((cfg.plan.faults[i].to_string(), now));
                     }

@@ -81,7 +81,11 @@ fn check(report: &Report) -> Result<(), String> {
                     Outcome::Refused | Outcome::Unfinished => unreachable!("refused works have no seq"),
                 };
                 if seen.get(&seq) != Some(&want) {
-                    return Err(format!("rank {}: seq {seq} ended {want:?} but the hook saw {:?}", r.rank, seen.get(&seq)));
+                    return Err(format!(
+                        "rank {}: seq {seq} ended {want:?} but the hook saw {:?}",
+                        r.rank,
+                        seen.get(&seq)
+                    ));
                 }
             }
         }
@@ -90,7 +94,10 @@ fn check(report: &Report) -> Result<(), String> {
             for entry in dump.entries.iter().filter(|e| !e.is_p2p) {
                 let Some(state) = seen.get(&entry.collective_seq_id) else {
                     if entry.state == EntryState::Completed {
-                        return Err(format!("rank {}: dump says seq {} completed; no event", r.rank, entry.collective_seq_id));
+                        return Err(format!(
+                            "rank {}: dump says seq {} completed; no event",
+                            r.rank, entry.collective_seq_id
+                        ));
                     }
                     continue;
                 };
@@ -136,7 +143,10 @@ fn check(report: &Report) -> Result<(), String> {
                 for w in r.works.iter().filter(|w| w.outcome != Outcome::Completed) {
                     let end = w.ended_ms.unwrap_or(u64::MAX);
                     if end > at_ms + CRASH_BOUND_MS {
-                        return Err(format!("rank {}: step {} failed at {end} ms, crash at {at_ms} ms", r.rank, w.step));
+                        return Err(format!(
+                            "rank {}: step {} failed at {end} ms, crash at {at_ms} ms",
+                            r.rank, w.step
+                        ));
                     }
                     let text = w.error.as_deref().unwrap_or("");
                     if w.culprit != Some(rank) && !text.contains(&format!("rank {rank}")) {
@@ -201,7 +211,8 @@ fn random_fault_plans_keep_every_promise() {
     let mut kinds: BTreeMap<String, usize> = BTreeMap::new();
     for seed in first..first + n {
         let (world, script, plan) = setup(seed);
-        let kind = plan.faults.first().map_or("none".to_owned(), |f| f.to_string().split(' ').next().unwrap().to_owned());
+        let kind =
+            plan.faults.first().map_or("none".to_owned(), |f| f.to_string().split(' ').next().unwrap().to_owned());
         *kinds.entry(kind).or_default() += 1;
         let before = PANICS.load(Ordering::SeqCst);
         let report = Simulation::new(world).seed(seed).script(script.clone()).faults(plan.clone()).run().unwrap();

@@ -127,8 +127,10 @@ fn code_workloads_get_a_process_group_and_their_works_are_reported() {
             use cohort_core::tensor::{DType, Tensor};
             let me = pg.rank().0;
             let n = pg.world_size();
-            let send = pg.send(Tensor::from_f64s(DType::F32, &[me as f64; 8]), (me + 1) % n, 7).map_err(|e| e.to_string())?;
-            let recv = pg.recv(Tensor::from_f64s(DType::F32, &[0.0; 8]), (me + n - 1) % n, 7).map_err(|e| e.to_string())?;
+            let send =
+                pg.send(Tensor::from_f64s(DType::F32, &[me as f64; 8]), (me + 1) % n, 7).map_err(|e| e.to_string())?;
+            let recv =
+                pg.recv(Tensor::from_f64s(DType::F32, &[0.0; 8]), (me + n - 1) % n, 7).map_err(|e| e.to_string())?;
             let got = recv.await.map_err(|e| e.to_string())?;
             send.await.map_err(|e| e.to_string())?;
             let want = ((me + n - 1) % n) as f64;

@@ -69,8 +69,8 @@ mod frame;
 mod handshake;
 
 pub use frame::{
-    FRAME_MAGIC, Fingerprint, Frame, FrameDecoder, FrameError, FrameHeader, FrameKind, FrameLimits, HEADER_LEN, MAX_MESSAGE_LEN,
-    decode_message, truncate_message,
+    FRAME_MAGIC, Fingerprint, Frame, FrameDecoder, FrameError, FrameHeader, FrameKind, FrameLimits, HEADER_LEN,
+    MAX_MESSAGE_LEN, decode_message, truncate_message,
 };
 pub use handshake::{
     AuthToken, HANDSHAKE_LEN, HANDSHAKE_MAGIC, Handshake, HandshakeError, HandshakeExpectation, HandshakeReply,

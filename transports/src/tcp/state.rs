@@ -158,7 +158,10 @@ impl DriverState {
         let id = self.group.submit(now, collective)?;
         let seq = if op.is_p2p() { self.group.p2p_seq() } else { self.group.seq() };
         let (work, completer) = Work::pending(id, seq, op, hook);
-        self.pending.insert(id, Pending { completer, payload, outputs: Vec::new(), unwritten: 0, data_done: false, fingerprint });
+        self.pending.insert(
+            id,
+            Pending { completer, payload, outputs: Vec::new(), unwritten: 0, data_done: false, fingerprint },
+        );
         self.drain(now, effects);
         effects.rearm_timer = true;
         Ok(work)
@@ -394,10 +397,8 @@ impl DriverState {
         };
         if let (Some(mine), Some(theirs)) = (*fingerprint, Fingerprint::from_tag(tag)) {
             if mine != theirs {
-                let message = format!(
-                    "desync at seq {}: rank {from} is running {theirs} while this rank runs {mine}",
-                    run.seq()
-                );
+                let message =
+                    format!("desync at seq {}: rank {from} is running {theirs} while this rank runs {mine}", run.seq());
                 self.group.handle_completion(now, id, Completion::Failed { rank: Some(from), message });
                 return;
             }
