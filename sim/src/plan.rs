@@ -174,28 +174,27 @@ impl Fault {
                 return Err(format!("{self}: rank {r} is not a rank of a {world_size}-rank world"));
             }
         }
-        if let Fault::Partition { a, b, .. } | Fault::Hold { a, b, .. } | Fault::Latency { a, b, .. } = *self {
-            if a == b {
-                return Err(format!("{self}: a link joins two different ranks"));
-            }
+        if let Fault::Partition { a, b, .. } | Fault::Hold { a, b, .. } | Fault::Latency { a, b, .. } = *self
+            && a == b
+        {
+            return Err(format!("{self}: a link joins two different ranks"));
         }
         let k = match *self {
             Fault::Crash { at: Trigger::Collective(k), .. } | Fault::Hang { collective: k, .. } => Some(k),
             Fault::Desync { collective: k, .. } => Some(k),
             _ => None,
         };
-        if let Some(k) = k {
-            if k >= steps {
-                return Err(format!("{self}: collective {k} is past the script's {steps} steps"));
-            }
+        if let Some(k) = k
+            && k >= steps
+        {
+            return Err(format!("{self}: collective {k} is past the script's {steps} steps"));
         }
         if let Fault::Partition { at_ms, until_ms: Some(u), .. }
         | Fault::Isolate { at_ms, until_ms: Some(u), .. }
         | Fault::Hold { at_ms, until_ms: Some(u), .. } = *self
+            && u <= at_ms
         {
-            if u <= at_ms {
-                return Err(format!("{self}: it must end after it starts"));
-            }
+            return Err(format!("{self}: it must end after it starts"));
         }
         Ok(())
     }

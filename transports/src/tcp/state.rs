@@ -31,6 +31,9 @@ pub(crate) enum Payload {
     Recv { peer: Option<Rank>, tag: u32, tensor: Option<Tensor> },
 }
 
+/// A data frame that arrived before its collective started: sender, step, tag, payload.
+type EarlyFrame = (Rank, u32, u32, Vec<u8>);
+
 #[derive(Debug)]
 struct Pending {
     completer: WorkCompleter,
@@ -88,7 +91,7 @@ pub(crate) struct DriverState {
     /// Running collectives by sequence number.
     running: BTreeMap<SeqNo, WorkId>,
     /// Data frames for collectives this rank has not launched yet.
-    early: BTreeMap<SeqNo, Vec<(Rank, u32, u32, Vec<u8>)>>,
+    early: BTreeMap<SeqNo, Vec<EarlyFrame>>,
     /// A collective is being started and fed its early frames (see `launch`).
     starting: bool,
     /// p2p payloads nobody has asked for yet, per (source, tag), in arrival order.
@@ -395,13 +398,13 @@ impl DriverState {
         else {
             return;
         };
-        if let (Some(mine), Some(theirs)) = (*fingerprint, Fingerprint::from_tag(tag)) {
-            if mine != theirs {
-                let message =
-                    format!("desync at seq {}: rank {from} is running {theirs} while this rank runs {mine}", run.seq());
-                self.group.handle_completion(now, id, Completion::Failed { rank: Some(from), message });
-                return;
-            }
+        if let (Some(mine), Some(theirs)) = (*fingerprint, Fingerprint::from_tag(tag))
+            && mine != theirs
+        {
+            let message =
+                format!("desync at seq {}: rank {from} is running {theirs} while this rank runs {mine}", run.seq());
+            self.group.handle_completion(now, id, Completion::Failed { rank: Some(from), message });
+            return;
         }
         let result = run.handle_recv(from, step, &payload);
         self.after_step(now, id, result);
