@@ -26,8 +26,6 @@ pub struct TcpOptions {
     /// (as `GLOO_SOCKET_IFNAME`); without it, the address the host name resolves to, falling
     /// back to loopback with a warning.
     pub bind_addr: IpAddr,
-    /// Connections per peer. `COHORT_CONNECTIONS_PER_PEER`, default 1.
-    pub connections_per_peer: u16,
     /// Largest frame payload accepted from a peer. Default 1 GiB.
     pub max_frame: u64,
     /// Works the data plane may run at once. Default 64.
@@ -53,7 +51,6 @@ impl Default for TcpOptions {
             heartbeat: Some(HeartbeatConfig::default()),
             error_handling: ErrorHandling::default(),
             bind_addr: IpAddr::V4(Ipv4Addr::LOCALHOST),
-            connections_per_peer: 1,
             max_frame: 1 << 30,
             max_in_flight: 64,
             trace_buffer_size: 2000,
@@ -116,13 +113,6 @@ impl TcpOptions {
                 name: "COHORT_ASYNC_ERROR_HANDLING",
                 value: level.to_string(),
                 reason: "expected 0 (no handling), 1 (tear down), 2 (clean up only) or 3 (skip clean up)".into(),
-            })?;
-        }
-        if let Some(n) = parse_u64("COHORT_CONNECTIONS_PER_PEER")? {
-            o.connections_per_peer = u16::try_from(n).ok().filter(|&n| n >= 1).ok_or(EnvError {
-                name: "COHORT_CONNECTIONS_PER_PEER",
-                value: n.to_string(),
-                reason: "expected 1 to 65535".into(),
             })?;
         }
         if let Some(n) = parse_u64("COHORT_TRACE_BUFFER_SIZE")? {
