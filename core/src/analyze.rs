@@ -15,9 +15,12 @@
 //! | [`FindingKind::SizeMismatch`] | same collective, different input sizes |
 //! | [`FindingKind::DtypeMismatch`] | same collective, different dtypes |
 //! | [`FindingKind::StateMismatch`] | some ranks completed it, others are stuck in it |
+//! | [`FindingKind::P2pMismatch`] | a send and its receive disagree on size or dtype, or one side never posted |
 //! | [`FindingKind::Undecided`] | dumps are missing, so the culprit cannot be named |
 //!
-//! Point-to-point ops (their sequence numbers are per pair, not per group) are not compared.
+//! Point-to-point ops are paired per ordered pair of ranks, in record order (the i-th send from
+//! a to b with the i-th receive on b from a, as `send a->b` / `recv b<-a` name them); they are
+//! checked when a group's collectives agree. `recv_anysource` is not paired.
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::fmt;
@@ -61,6 +64,19 @@ pub enum FindingKind {
         /// Ranks stuck in it.
         stuck: Vec<Rank>,
     },
+    /// Point-to-point: the i-th send from `sender` to `receiver` and the i-th receive on
+    /// `receiver` from `sender` disagree on size or dtype, or one side never posted its half
+    /// while the other waits for it.
+    P2pMismatch {
+        /// The sending rank.
+        sender: Rank,
+        /// The receiving rank.
+        receiver: Rank,
+        /// What is wrong.
+        problem: String,
+        /// Who is to blame: the side that never posted, or both when they disagree.
+        blame: Vec<Rank>,
+    },
     /// Dumps are missing: the culprit may be among these ranks.
     Undecided {
         /// Ranks without a dump.
@@ -90,6 +106,7 @@ impl Finding {
             FindingKind::NeverJoined { missing, .. } => missing.clone(),
             FindingKind::StateMismatch { stuck, .. } => stuck.clone(),
             FindingKind::Undecided { missing_dumps } => missing_dumps.clone(),
+            FindingKind::P2pMismatch { blame, .. } => blame.clone(),
             FindingKind::OpMismatch { by_op: by }
             | FindingKind::SizeMismatch { by_size: by }
             | FindingKind::DtypeMismatch { by_dtype: by } => minority(by),
@@ -144,6 +161,9 @@ impl fmt::Display for Finding {
         } else {
             format!("pg {} ({})", self.pg_id, self.pg_desc)
         };
+        if let FindingKind::P2pMismatch { sender, receiver, problem, .. } = &self.kind {
+            return write!(f, "{pg}: send/recv {sender}->{receiver} (sender's p2p seq {}): {problem}", self.seq);
+        }
         if self.op.is_empty() {
             // Past the last collective any dump holds.
             write!(f, "{pg}: after collective seq {}: ", self.seq.saturating_sub(1))?;
@@ -165,6 +185,7 @@ impl fmt::Display for Finding {
             FindingKind::StateMismatch { completed, stuck } => {
                 write!(f, "rank(s) {} completed it but rank(s) {} did not", ranks_text(completed), ranks_text(stuck))
             }
+            FindingKind::P2pMismatch { .. } => Ok(()),
             FindingKind::Undecided { missing_dumps } => write!(
                 f,
                 "undecided: no dump from rank(s) {}; the culprit may be among them",
@@ -224,14 +245,79 @@ pub fn diagnose(dumps: &[(Rank, Dump)], world_size: Option<u32>) -> Diagnosis {
         }
     }
 
-    let mut findings = Vec::new();
-    for (pg_id, by_rank) in &groups {
-        let pg_desc = descs.get(pg_id).cloned().unwrap_or_default();
-        if let Some(f) = first_disagreement(*pg_id, &pg_desc, by_rank, &missing_dumps) {
-            findings.push(f);
+    // pg id → (sender, receiver) → (the sender's sends to the receiver, the receiver's receives
+    // from the sender), each in record order.
+    let mut p2p: BTreeMap<u64, P2pPairs<'_>> = BTreeMap::new();
+    for (rank, dump) in dumps {
+        for e in dump.entries.iter().filter(|e| e.is_p2p) {
+            let pairs = p2p.entry(e.pg_id).or_default();
+            match peer_of(op_name(e)) {
+                Some((true, peer)) => pairs.entry((*rank, peer)).or_default().0.push(e),
+                Some((false, peer)) => pairs.entry((peer, *rank)).or_default().1.push(e),
+                None => {}
+            }
+            descs.entry(e.pg_id).or_insert_with(|| e.process_group.1.clone());
         }
     }
+
+    let mut findings = Vec::new();
+    let pg_ids: BTreeSet<u64> = groups.keys().chain(p2p.keys()).copied().collect();
+    for pg_id in pg_ids {
+        let pg_desc = descs.get(&pg_id).cloned().unwrap_or_default();
+        let collective = groups.get(&pg_id).and_then(|g| first_disagreement(pg_id, &pg_desc, g, &missing_dumps));
+        let found = collective.or_else(|| p2p.get(&pg_id).and_then(|p| p2p_disagreement(pg_id, &pg_desc, p, &have)));
+        findings.extend(found);
+    }
     Diagnosis { ranks: have.into_iter().collect(), findings }
+}
+
+/// Sends and receives between ordered pairs of ranks: (sender, receiver) → (sends, receives).
+type P2pPairs<'a> = BTreeMap<(Rank, Rank), (Vec<&'a DumpEntry>, Vec<&'a DumpEntry>)>;
+
+/// `send 0->1` → (true, 1); `recv 1<-0` → (false, 0); anything else (recv_anysource) → None.
+fn peer_of(op: &str) -> Option<(bool, Rank)> {
+    if let Some(rest) = op.strip_prefix("send ") {
+        return rest.split_once("->").and_then(|(_, p)| p.trim().parse().ok()).map(|p| (true, Rank(p)));
+    }
+    let rest = op.strip_prefix("recv ")?;
+    rest.split_once("<-").and_then(|(_, p)| p.trim().parse().ok()).map(|p| (false, Rank(p)))
+}
+
+/// The first send/recv pair that disagrees, between ranks whose dumps are both here.
+fn p2p_disagreement(pg_id: u64, pg_desc: &str, pairs: &P2pPairs<'_>, have: &BTreeSet<Rank>) -> Option<Finding> {
+    for (&(sender, receiver), (sends, recvs)) in pairs {
+        if !have.contains(&sender) || !have.contains(&receiver) {
+            continue;
+        }
+        for i in 0..sends.len().max(recvs.len()) {
+            let (problem, blame, seq) = match (sends.get(i), recvs.get(i)) {
+                (Some(s), Some(r)) if s.input_sizes != r.input_sizes => (
+                    format!("the send has sizes {:?}, the receive {:?}", s.input_sizes, r.input_sizes),
+                    vec![sender, receiver],
+                    s.p2p_seq_id,
+                ),
+                (Some(s), Some(r)) if s.input_dtypes != r.input_dtypes => (
+                    format!("the send has dtypes {:?}, the receive {:?}", s.input_dtypes, r.input_dtypes),
+                    vec![sender, receiver],
+                    s.p2p_seq_id,
+                ),
+                (Some(s), None) if s.state != EntryState::Completed => (
+                    format!("rank {receiver} never posted the receive for this send (send #{})", i + 1),
+                    vec![receiver],
+                    s.p2p_seq_id,
+                ),
+                (None, Some(r)) if r.state != EntryState::Completed => (
+                    format!("rank {sender} never sent what receive #{} on rank {receiver} waits for", i + 1),
+                    vec![sender],
+                    r.p2p_seq_id,
+                ),
+                _ => continue,
+            };
+            let kind = FindingKind::P2pMismatch { sender, receiver, problem, blame };
+            return Some(Finding { pg_id, pg_desc: pg_desc.to_owned(), seq, op: "send/recv".into(), kind });
+        }
+    }
+    None
 }
 
 fn first_disagreement(
@@ -336,6 +422,7 @@ mod tests {
             let shape = [numel];
             let t = [TensorMeta { dtype, shape: &shape }];
             let name = format!("tcp:{op}");
+            let p2p = op.starts_with("send ") || op.starts_with("recv ");
             let id = fr
                 .record(
                     Duration::from_millis(i as u64),
@@ -344,13 +431,13 @@ mod tests {
                         pg_name: "0",
                         pg_desc: "default_pg",
                         collective_seq_id: i as u64 + 1,
-                        p2p_seq_id: 0,
+                        p2p_seq_id: if p2p { i as u64 + 1 } else { 0 },
                         op_id: i as u64 + 1,
                         profiling_name: &name,
                         inputs: &t,
                         outputs: &t,
                         timeout: Duration::from_secs(1),
-                        is_p2p: false,
+                        is_p2p: p2p,
                     },
                 )
                 .unwrap();
@@ -426,5 +513,40 @@ mod tests {
         assert!(d.to_string().starts_with("no disagreement"));
         let json = d.to_json();
         assert!(json.contains("\"findings\": []"), "{json}");
+    }
+
+    #[test]
+    fn point_to_point_pairs_are_checked_in_order() {
+        // Rank 0 sends 4 floats; rank 1 posts a receive of 8.
+        let d = diagnose(
+            &[dump(0, 2, &[("send 0->1", 4, DType::F32, true)]), dump(1, 2, &[("recv 1<-0", 8, DType::F32, false)])],
+            None,
+        );
+        let f = &d.findings[0];
+        assert!(matches!(&f.kind, FindingKind::P2pMismatch { sender: Rank(0), receiver: Rank(1), .. }), "{f:?}");
+        assert_eq!(f.culprits(), vec![Rank(0), Rank(1)]);
+        assert!(
+            d.to_string().contains("send/recv 0->1 (sender's p2p seq 1): the send has sizes [[4]], the receive [[8]]"),
+            "{d}"
+        );
+        // Rank 1 waits for a second message rank 0 never sent.
+        let d = diagnose(
+            &[
+                dump(0, 2, &[("send 0->1", 4, DType::F32, true)]),
+                dump(1, 2, &[("recv 1<-0", 4, DType::F32, true), ("recv 1<-0", 4, DType::F32, false)]),
+            ],
+            None,
+        );
+        assert_eq!(d.findings[0].culprits(), vec![Rank(0)]);
+        assert!(d.to_string().contains("rank 0 never sent what receive #2 on rank 1 waits for"), "{d}");
+        // A send nobody received, still waiting: the receiver never posted it.
+        let d = diagnose(&[dump(0, 2, &[("send 0->1", 4, DType::F32, false)]), dump(1, 2, &[])], None);
+        assert_eq!(d.findings[0].culprits(), vec![Rank(1)]);
+        // Matched pairs are healthy.
+        let d = diagnose(
+            &[dump(0, 2, &[("send 0->1", 4, DType::F32, true)]), dump(1, 2, &[("recv 1<-0", 4, DType::F32, true)])],
+            None,
+        );
+        assert!(d.is_healthy(), "{d}");
     }
 }

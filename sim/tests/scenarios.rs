@@ -158,3 +158,26 @@ fn bad_setups_are_refused_with_the_reason() {
     let e = Simulation::new(2).seed(1).script("broadcast:4:f32:root=2".parse().unwrap()).run().unwrap_err();
     assert!(e.contains("root 2"), "{e}");
 }
+
+#[test]
+fn a_receive_whose_send_never_comes_names_the_sender() {
+    let report = Simulation::new(3)
+        .seed(21)
+        .workload("rank 1 forgets a send", |pg| async move {
+            use cohort_core::tensor::{DType, Tensor};
+            let me = pg.rank().0;
+            if me == 0 {
+                let work = pg.recv(Tensor::from_f64s(DType::F32, &[0.0; 4]), 1, 3).map_err(|e| e.to_string())?;
+                work.await.map_err(|e| e.to_string())?;
+            }
+            // Ranks 1 and 2 stay up a while, then leave; rank 1 never sends.
+            tokio::time::sleep(Duration::from_millis(50)).await;
+            Ok(())
+        })
+        .run()
+        .unwrap();
+    let Fate::Failed { error } = &report.ranks[0].fate else { panic!("{:?}", report.ranks[0].fate) };
+    assert!(error.contains("rank 1"), "{error}");
+    assert_eq!(report.blamed(), vec![1], "{}", report.diagnosis);
+    assert!(report.diagnosis.to_string().contains("rank 1 never sent what receive #1 on rank 0 waits for"));
+}

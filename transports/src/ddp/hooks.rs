@@ -86,9 +86,25 @@ impl CommHook for AllreduceHook {
         let op = if bucket.buffer.dtype().is_floating_point() { ReduceOp::Avg } else { ReduceOp::Sum };
         match pg.allreduce(vec![bucket.buffer], op) {
             Ok(work) => work,
-            Err(e) => failed_work(pg, e.to_string()),
+            Err(e) => refused_work(pg, &e),
         }
     }
+}
+
+/// A work that failed because the group refused its collective; a group that failed earlier
+/// passes on the rank it blamed.
+pub(crate) fn refused_work(pg: &ProcessGroup, e: &cohort_core::group::SubmitError) -> Work {
+    let result = refused_result(e);
+    pg.spawn_work(OpType::Allreduce, async move { Err(result) })
+}
+
+/// The result of a refused collective, blaming the rank the group's failure blamed.
+pub(crate) fn refused_result(e: &cohort_core::group::SubmitError) -> WorkResult {
+    let rank = match e {
+        cohort_core::group::SubmitError::GroupFailed { cause } => cause.culprit,
+        _ => None,
+    };
+    WorkResult::CommError { rank, message: e.to_string() }
 }
 
 /// A work that has already failed with `message`.
@@ -135,7 +151,7 @@ impl CommHook for CompressHook {
         let shape = bucket.buffer.shape().to_vec();
         let work = match pg.allreduce(vec![compressed], ReduceOp::Sum) {
             Ok(w) => w,
-            Err(e) => return failed_work(pg, e.to_string()),
+            Err(e) => return refused_work(pg, &e),
         };
         let world = pg.world_size() as f32;
         pg.spawn_work(OpType::Allreduce, async move {

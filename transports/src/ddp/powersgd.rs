@@ -12,7 +12,7 @@ use cohort_core::tensor::{DType, Tensor};
 use cohort_core::work::{OpType, WorkResult};
 use tokio::sync::Mutex;
 
-use super::hooks::{CommHook, GradBucket, failed_work};
+use super::hooks::{CommHook, GradBucket, failed_work, refused_result};
 use crate::tcp::ProcessGroup;
 use crate::work::Work;
 
@@ -124,7 +124,7 @@ async fn allreduce_sum(pg: &ProcessGroup, data: Vec<f32>) -> Result<Vec<f32>, Wo
     if n == 0 {
         return Ok(data);
     }
-    let work = pg.allreduce(vec![Tensor::from_slice(&data)], ReduceOp::Sum).map_err(|e| comm_err(e.to_string()))?;
+    let work = pg.allreduce(vec![Tensor::from_slice(&data)], ReduceOp::Sum).map_err(|e| refused_result(&e))?;
     let out = work.await.map_err(|e| e.to_result())?;
     out.first()
         .and_then(|t| t.to_vec::<f32>().ok())

@@ -155,7 +155,9 @@ impl DriverState {
         let op = collective.op;
         let fingerprint = (!op.is_p2p()).then(|| Fingerprint {
             op,
-            dtype: collective.inputs.first().map(|t| t.dtype),
+            // The inputs' dtype, or the outputs' on ranks that pass no input (scatter's
+            // non-root ranks): the same on every rank of a well-formed call.
+            dtype: collective.inputs.first().or(collective.outputs.first()).map(|t| t.dtype),
             root: collective.root,
         });
         let id = self.group.submit(now, collective)?;
