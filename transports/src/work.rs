@@ -61,6 +61,18 @@ fn state_word(state: WorkState) -> &'static str {
     }
 }
 
+/// A state as the work span records it.
+fn span_state(state: WorkState) -> &'static str {
+    match state {
+        WorkState::Enqueued => "enqueued",
+        WorkState::Started => "started",
+        WorkState::Completed => "completed",
+        WorkState::Failed => "failed",
+        WorkState::TimedOut => "timed_out",
+        WorkState::Aborted => "aborted",
+    }
+}
+
 impl WorkError {
     /// The [`WorkResult`] this error stands for (a wait that gave up or a dropped work become
     /// a `CommError` with this error's text).
@@ -130,6 +142,8 @@ struct Shared {
     slot: Mutex<Slot>,
     cond: Condvar,
     abort: Mutex<Option<AbortFn>>,
+    /// The work's `tracing` span, from submit to finish.
+    span: tracing::Span,
 }
 
 impl Shared {
@@ -165,6 +179,15 @@ impl Work {
             slot: Mutex::new(Slot { summary: None, outputs: None, dropped: false, wakers: Vec::new() }),
             cond: Condvar::new(),
             abort: Mutex::new(None),
+            span: tracing::debug_span!(
+                "work",
+                op = %op,
+                seq = seq.0,
+                group = tracing::field::Empty,
+                rank = tracing::field::Empty,
+                state = tracing::field::Empty,
+                duration_us = tracing::field::Empty,
+            ),
         });
         (Work { shared: shared.clone() }, WorkCompleter { shared, hook, done: false })
     }
@@ -293,6 +316,13 @@ impl Work {
         }
     }
 
+    /// The work's `tracing` span (`work{op, seq, group, rank}`), open from submit until the
+    /// work finishes, when it records `state` and `duration_us` and logs the outcome: a
+    /// subscriber sees every collective as a span. Enter it to attach your own events.
+    pub fn span(&self) -> &tracing::Span {
+        &self.shared.span
+    }
+
     /// Its sequence number in its group.
     pub fn seq(&self) -> SeqNo {
         self.shared.seq
@@ -351,6 +381,11 @@ impl fmt::Debug for Work {
 }
 
 impl WorkCompleter {
+    /// Name the group and rank the work runs on, in its span.
+    pub fn in_group(&self, group: cohort_core::work::GroupId, rank: Rank) {
+        self.shared.span.record("group", group.0).record("rank", rank.0);
+    }
+
     /// Record the rank a `recv_anysource` received from.
     pub fn set_source_rank(&self, rank: Rank) {
         *self.shared.source_rank.lock().unwrap_or_else(|p| p.into_inner()) = Some(rank);
@@ -377,6 +412,18 @@ impl WorkCompleter {
             state: summary.lifecycle.state(),
             duration: summary.lifecycle.duration(),
         };
+        let span = &self.shared.span;
+        span.record("state", span_state(info.state));
+        if let Some(d) = info.duration {
+            span.record("duration_us", d.as_micros() as u64);
+        }
+        span.in_scope(|| {
+            if summary.result.is_success() {
+                tracing::debug!("work finished");
+            } else {
+                tracing::warn!(result = %summary.result, "work failed");
+            }
+        });
         let wakers = {
             let mut slot = self.shared.lock();
             slot.summary = Some(summary);

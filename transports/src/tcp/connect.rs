@@ -179,6 +179,9 @@ impl ProcessGroup {
                 runtime: tokio::runtime::Handle::current(),
                 tasks: Mutex::new(Vec::new()),
                 writers: Mutex::new(Vec::new()),
+                connector: super::split::connector(net.clone()),
+                split_counts: super::split::SplitCounts::default(),
+                lineage: Mutex::new(None),
             }
         });
         let weak = Arc::downgrade(&inner);

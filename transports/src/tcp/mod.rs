@@ -21,6 +21,7 @@ mod link;
 mod monitored;
 mod options;
 mod sparse;
+mod split;
 mod state;
 
 use std::fmt;
@@ -39,6 +40,7 @@ pub use init::{InitConfig, init_process_group, init_process_group_with};
 pub use monitored::{MONITORED_BARRIER_TAG, MonitoredBarrierError};
 pub use options::{EnvError, TcpOptions, resolve_bind_addr};
 pub use sparse::SparseTensor;
+pub use split::{Lineage, NEXT_GROUP_ID_KEY, SplitError};
 
 use self::collective::Request;
 use self::state::{DriverState, Effects, Payload};
@@ -69,6 +71,12 @@ pub(crate) struct Inner {
     tasks: Mutex<Vec<JoinHandle<()>>>,
     /// The writer tasks: shutting down waits for them to flush and say goodbye.
     writers: Mutex<Vec<JoinHandle<()>>>,
+    /// Connects new groups (splits, merges) over the same network as this one.
+    connector: split::Connector,
+    /// How many splits over each rank set this rank made from this group.
+    split_counts: split::SplitCounts,
+    /// Where this group came from, if it was split or merged from another.
+    lineage: Mutex<Option<split::Lineage>>,
 }
 
 impl Inner {
@@ -208,6 +216,23 @@ impl ProcessGroup {
     /// The options the group runs with.
     pub fn options(&self) -> &TcpOptions {
         &self.inner.opts
+    }
+
+    /// Where this group came from: `None` for a group connected directly, the parent and the
+    /// members' parent ranks for a [`ProcessGroup::split_group`].
+    pub fn lineage(&self) -> Option<Lineage> {
+        self.inner.lineage.lock().unwrap_or_else(|p| p.into_inner()).clone()
+    }
+
+    /// This group's rank `rank` in the parent it was split from (torch's `get_global_rank`
+    /// for one level); `None` for a group that was not split, or a rank out of range.
+    pub fn parent_rank(&self, rank: u32) -> Option<u32> {
+        let lineage = self.inner.lineage.lock().unwrap_or_else(|p| p.into_inner());
+        lineage.as_ref()?.parent_ranks.as_ref()?.get(rank as usize).copied()
+    }
+
+    fn set_lineage(&self, lineage: Lineage) {
+        *self.inner.lineage.lock().unwrap_or_else(|p| p.into_inner()) = Some(lineage);
     }
 
     /// The store the group rendezvoused through.

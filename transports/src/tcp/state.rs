@@ -163,6 +163,7 @@ impl DriverState {
         let id = self.group.submit(now, collective)?;
         let seq = if op.is_p2p() { self.group.p2p_seq() } else { self.group.seq() };
         let (work, completer) = Work::pending(id, seq, op, hook);
+        completer.in_group(self.group.config().group_id, self.group.rank());
         self.pending.insert(
             id,
             Pending { completer, payload, outputs: Vec::new(), unwritten: 0, data_done: false, fingerprint },
