@@ -290,3 +290,50 @@ fn a_rank_lost_during_a_ddp_step_fails_the_step_naming_it() {
         assert!(line.1.contains("culprit Some(2)") && line.1.contains("rank 2"), "{line:?}");
     }
 }
+
+#[test]
+fn collectives_go_on_after_the_store_is_killed_and_a_later_loss_is_still_named() {
+    let port = free_port();
+    let world = 3u32;
+    // The store runs in its own process, as a launcher's would.
+    let mut store = Command::new(env!("CARGO_BIN_EXE_cohort-rank"))
+        .env("COHORT_TEST_SCENARIO", "store-server")
+        .env("MASTER_PORT", port.to_string())
+        .stdout(Stdio::piped())
+        .spawn()
+        .expect("start the store");
+    let mut first = String::new();
+    BufReader::new(store.stdout.take().unwrap()).read_line(&mut first).unwrap();
+    assert_eq!(first.trim(), "listening");
+    let go = std::env::temp_dir().join(format!("cohort-go-{}-{port}", std::process::id()));
+    let _ = std::fs::remove_file(&go);
+    let go_text = go.display().to_string();
+    let env = [("COHORT_STORE_HOSTED", "1"), ("COHORT_TEST_GO", go_text.as_str())];
+    let mut job = start_with(port, world, "store-gone", &env, |_| Vec::new());
+    // Wait until every rank printed each of `what`.
+    let wait_for = |job: &mut Job, what: &[&str]| {
+        let deadline = Instant::now() + Duration::from_secs(60);
+        let mut seen = vec![0u32; what.len()];
+        while seen.iter().any(|&n| n < world) {
+            let (_, line) = job.lines.recv_timeout(deadline - Instant::now()).unwrap_or_else(|_| panic!("{what:?}"));
+            assert!(!line.starts_with("error"), "{line}");
+            if let Some(i) = what.iter().position(|w| *w == line) {
+                seen[i] += 1;
+            }
+        }
+    };
+    wait_for(&mut job, &["ready"]);
+    store.kill().unwrap();
+    store.wait().unwrap();
+    std::fs::write(&go, b"go").unwrap();
+    wait_for(&mut job, &["collectives ok without the store", "ready"]);
+    std::thread::sleep(Duration::from_millis(200));
+    job.children.last_mut().unwrap().kill().unwrap();
+    let lines = job.finish(Duration::from_secs(30));
+    let _ = std::fs::remove_file(&go);
+    for r in 0..world - 1 {
+        let line = line_of(&lines, r, "noticed_ns");
+        eprintln!("rank {r}: {line}");
+        assert!(line.contains("culprit Some(2)") && line.contains("rank 2"), "{line}");
+    }
+}

@@ -15,6 +15,9 @@ fn wall_ns() -> u128 {
 
 fn main() -> ExitCode {
     let scenario = std::env::var("COHORT_TEST_SCENARIO").unwrap_or_default();
+    if scenario == "store-server" {
+        return store_server();
+    }
     let pg = match init_process_group() {
         Ok(pg) => pg,
         Err(e) => {
@@ -29,6 +32,7 @@ fn main() -> ExitCode {
         "ddp-lose-last" => ddp_lose_last(&pg),
         "skip-collective" => skip_collective(&pg),
         "monitored-barrier" => monitored_barrier(&pg),
+        "store-gone" => store_gone(&pg),
         other => Err(format!("unknown scenario {other:?}")),
     };
     match result {
@@ -163,4 +167,57 @@ fn monitored_barrier(pg: &ProcessGroup) -> Result<(), String> {
         Err(e) => println!("barrier culprits {:?} :: {e}", e.culprits().iter().map(|r| r.0).collect::<Vec<_>>()),
     }
     Ok(())
+}
+
+/// Not a rank: host the store on `MASTER_PORT` until killed (for jobs run with
+/// `COHORT_STORE_HOSTED=1`).
+fn store_server() -> ExitCode {
+    use cohort_transports::{TcpStoreServer, TcpStoreServerConfig, TokioNet};
+    let port: u16 = std::env::var("MASTER_PORT").ok().and_then(|p| p.parse().ok()).unwrap_or(0);
+    let rt = tokio::runtime::Runtime::new().expect("a runtime");
+    let bind = std::net::SocketAddr::from(([127, 0, 0, 1], port));
+    match rt.block_on(TcpStoreServer::bind(TokioNet, TcpStoreServerConfig::new(bind))) {
+        Ok(_server) => {
+            println!("listening");
+            std::thread::sleep(Duration::from_secs(120));
+            ExitCode::SUCCESS
+        }
+        Err(e) => {
+            println!("error store: {e}");
+            ExitCode::from(1)
+        }
+    }
+}
+
+/// Allreduce `rank + 1` and check the sum.
+fn checked_allreduce(pg: &ProcessGroup) -> Result<(), String> {
+    let n = pg.world_size();
+    let t = Tensor::from_slice(&[pg.rank().0 as f32 + 1.0; 64]);
+    let out = pg.allreduce(vec![t], ReduceOp::Sum).map_err(|e| e.to_string())?.result().map_err(|e| e.to_string())?;
+    let want = (n * (n + 1) / 2) as f32;
+    match out.first().map(|t| t.to_vec::<f32>()) {
+        Some(Ok(v)) if v.iter().all(|&x| x == want) => Ok(()),
+        other => Err(format!("allreduce gave {other:?}, want {want}")),
+    }
+}
+
+/// The store (hosted outside the ranks) is killed after init: collectives go on over the mesh,
+/// and when the last rank is lost later, the survivors still name it (publishing the failure to
+/// the dead store must neither hang nor panic).
+fn store_gone(pg: &ProcessGroup) -> Result<(), String> {
+    checked_allreduce(pg)?;
+    println!("ready");
+    let go = std::env::var("COHORT_TEST_GO").map_err(|_| "COHORT_TEST_GO is not set".to_string())?;
+    let deadline = std::time::Instant::now() + Duration::from_secs(30);
+    while !std::path::Path::new(&go).exists() {
+        if std::time::Instant::now() > deadline {
+            return Err("the test never said go".into());
+        }
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    for _ in 0..3 {
+        checked_allreduce(pg)?;
+    }
+    println!("collectives ok without the store");
+    wait_for_last(pg)
 }
