@@ -45,7 +45,14 @@ fn main() {
     write(&dir, "frame_decode", "heartbeat", &one);
 
     // Handshakes: plain, with a token, and the replies.
-    let hs = Handshake { group: GroupId(0), rank: Rank(1), world_size: 4, connection: 0, auth_token: None };
+    let hs = Handshake {
+        group: GroupId(0),
+        rank: Rank(1),
+        world_size: 4,
+        connection: 0,
+        connections_per_peer: 1,
+        auth_token: None,
+    };
     write(&dir, "handshake_decode", "plain", &hs.encode());
     let token = Handshake { auth_token: Some(AuthToken([7; 32])), connection: 1, ..hs };
     write(&dir, "handshake_decode", "token", &token.encode());

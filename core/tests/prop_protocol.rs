@@ -87,12 +87,13 @@ fn small_frame() -> impl Strategy<Value = Frame> {
 }
 
 fn handshake() -> impl Strategy<Value = Handshake> {
-    (any::<u32>(), any::<u32>(), any::<u32>(), any::<u16>(), prop::option::of(any::<[u8; 32]>())).prop_map(
-        |(group, rank, world_size, connection, token)| Handshake {
+    (any::<u32>(), any::<u32>(), any::<u32>(), any::<u16>(), any::<u8>(), prop::option::of(any::<[u8; 32]>())).prop_map(
+        |(group, rank, world_size, connection, connections_per_peer, token)| Handshake {
             group: GroupId(group),
             rank: Rank(rank),
             world_size,
             connection,
+            connections_per_peer,
             auth_token: token.map(AuthToken),
         },
     )

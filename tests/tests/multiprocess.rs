@@ -337,3 +337,26 @@ fn collectives_go_on_after_the_store_is_killed_and_a_later_loss_is_still_named()
         assert!(line.contains("culprit Some(2)") && line.contains("rank 2"), "{line}");
     }
 }
+
+#[test]
+fn every_collective_is_right_and_a_sigkill_is_named_over_two_connections_per_peer() {
+    let env = [("COHORT_CONNECTIONS_PER_PEER", "2")];
+    let lines = start(3, "collectives", &env).finish(Duration::from_secs(120));
+    for r in 0..3 {
+        assert!(lines.contains(&(r, "ok collectives".to_string())), "{lines:?}");
+    }
+    let mut job = start(3, "wait-for-last", &env);
+    let mut ready = 0;
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while ready < 3 {
+        let (_, line) = job.lines.recv_timeout(deadline - Instant::now()).expect("ranks get ready");
+        ready += u32::from(line == "ready");
+    }
+    std::thread::sleep(Duration::from_millis(200));
+    job.children.last_mut().unwrap().kill().unwrap();
+    let lines = job.finish(Duration::from_secs(30));
+    for r in 0..2 {
+        let line = line_of(&lines, r, "noticed_ns");
+        assert!(line.contains("culprit Some(2)") && line.contains("rank 2"), "{line}");
+    }
+}

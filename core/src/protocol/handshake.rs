@@ -51,6 +51,8 @@ pub struct Handshake {
     pub world_size: u32,
     /// Which of the connections between this pair of ranks this is (0-based).
     pub connection: u16,
+    /// How many connections the sender opens to each peer (both sides must agree).
+    pub connections_per_peer: u8,
     /// The auth-token digest, when the job is configured with a token.
     pub auth_token: Option<AuthToken>,
 }
@@ -65,6 +67,7 @@ impl Handshake {
         out[8..12].copy_from_slice(&self.group.0.to_le_bytes());
         out[12..16].copy_from_slice(&self.rank.0.to_le_bytes());
         out[16..20].copy_from_slice(&self.world_size.to_le_bytes());
+        out[21] = self.connections_per_peer;
         if let Some(token) = &self.auth_token {
             out[20] = FLAG_AUTH_TOKEN;
             out[24..56].copy_from_slice(&token.0);
@@ -88,7 +91,7 @@ impl Handshake {
         if flags & !FLAG_AUTH_TOKEN != 0 {
             return Err(HandshakeError::UnknownFlags { flags });
         }
-        if let Some((offset, found)) = (21..24).map(|i| (i, bytes[i])).find(|&(_, b)| b != 0) {
+        if let Some((offset, found)) = (22..24).map(|i| (i, bytes[i])).find(|&(_, b)| b != 0) {
             return Err(HandshakeError::ReservedNotZero { offset, found });
         }
         let token: [u8; 32] = read_array(bytes, 24);
@@ -104,6 +107,7 @@ impl Handshake {
             rank: Rank(u32::from_le_bytes(read_array(bytes, 12))),
             world_size: u32::from_le_bytes(read_array(bytes, 16)),
             connection: u16::from_le_bytes(read_array(bytes, 6)),
+            connections_per_peer: bytes[21],
             auth_token,
         })
     }
@@ -132,6 +136,13 @@ impl Handshake {
             && dialled != self.rank
         {
             return Err(HandshakeError::UnexpectedRank { peer: self.rank, dialled });
+        }
+        if u16::from(self.connections_per_peer) != expected.connections_per_peer {
+            return Err(HandshakeError::ConnectionsPerPeerMismatch {
+                peer_rank: self.rank,
+                peer: self.connections_per_peer.into(),
+                ours: expected.connections_per_peer,
+            });
         }
         if self.connection >= expected.connections_per_peer {
             return Err(HandshakeError::ConnectionIndexOutOfRange {
@@ -198,6 +209,11 @@ impl HandshakeExpectation {
             rank: self.rank,
             world_size: self.world_size,
             connection,
+            connections_per_peer: if self.connections_per_peer > u8::MAX as u16 {
+                u8::MAX
+            } else {
+                self.connections_per_peer as u8
+            },
             auth_token: self.auth_token,
         }
     }
@@ -481,6 +497,18 @@ pub enum HandshakeError {
         /// The configured connections per peer.
         connections_per_peer: u16,
     },
+    /// The peer opens another number of connections to each peer.
+    #[error(
+        "peer rank {peer_rank} opens {peer} connection(s) per peer, this rank opens {ours}: every rank must use the same number"
+    )]
+    ConnectionsPerPeerMismatch {
+        /// The peer's rank.
+        peer_rank: Rank,
+        /// The peer's connections per peer.
+        peer: u16,
+        /// This rank's.
+        ours: u16,
+    },
     /// Both sides have an auth token, and they differ.
     #[error("auth token mismatch")]
     AuthTokenMismatch,
@@ -548,7 +576,9 @@ impl HandshakeError {
             HandshakeError::RankOutOfRange { .. }
             | HandshakeError::RankIsSelf { .. }
             | HandshakeError::UnexpectedRank { .. } => RejectReason::RankMismatch,
-            HandshakeError::ConnectionIndexOutOfRange { .. } => RejectReason::ConnectionIndex,
+            HandshakeError::ConnectionIndexOutOfRange { .. } | HandshakeError::ConnectionsPerPeerMismatch { .. } => {
+                RejectReason::ConnectionIndex
+            }
             HandshakeError::AuthTokenMismatch
             | HandshakeError::MissingAuthToken
             | HandshakeError::UnexpectedAuthToken => RejectReason::AuthToken,
@@ -578,7 +608,7 @@ mod tests {
     }
 
     fn peer() -> Handshake {
-        HandshakeExpectation::new(GroupId(0), Rank(2), 4).handshake(1)
+        HandshakeExpectation::new(GroupId(0), Rank(2), 4).with_connections_per_peer(2).handshake(1)
     }
 
     fn check(h: Handshake, e: HandshakeExpectation) -> String {
@@ -600,6 +630,7 @@ mod tests {
             rank: Rank(3),
             world_size: 8,
             connection: 0x0102,
+            connections_per_peer: 4,
             auth_token: Some(AuthToken([0xee; 32])),
         };
         let b = h.encode();
@@ -609,7 +640,7 @@ mod tests {
         assert_eq!(&b[8..12], &[0x0d, 0x0c, 0x0b, 0x0a]);
         assert_eq!(&b[12..16], &[3, 0, 0, 0]);
         assert_eq!(&b[16..20], &[8, 0, 0, 0]);
-        assert_eq!(&b[20..24], &[1, 0, 0, 0]);
+        assert_eq!(&b[20..24], &[1, 4, 0, 0]);
         assert_eq!(&b[24..56], &[0xee; 32]);
     }
 
@@ -690,6 +721,16 @@ mod tests {
     fn check_refuses_connection_indices_out_of_range() {
         let h = Handshake { connection: 2, ..peer() };
         assert_eq!(check(h, expectation()), "peer opened connection 2, but only 2 connections per peer are configured");
+    }
+
+    #[test]
+    fn check_names_a_connections_per_peer_mismatch() {
+        let h = Handshake { connections_per_peer: 1, connection: 0, ..peer() };
+        assert_eq!(
+            check(h, expectation()),
+            "peer rank 2 opens 1 connection(s) per peer, this rank opens 2: every rank must use the same number"
+        );
+        assert_eq!(h.check(&expectation().with_connections_per_peer(1)), Ok(()));
     }
 
     #[test]
@@ -808,6 +849,10 @@ mod tests {
             (HandshakeError::RankIsSelf { peer: Rank(0) }, RejectReason::RankMismatch),
             (
                 HandshakeError::ConnectionIndexOutOfRange { connection: 3, connections_per_peer: 1 },
+                RejectReason::ConnectionIndex,
+            ),
+            (
+                HandshakeError::ConnectionsPerPeerMismatch { peer_rank: Rank(1), peer: 1, ours: 2 },
                 RejectReason::ConnectionIndex,
             ),
             (HandshakeError::MissingAuthToken, RejectReason::AuthToken),

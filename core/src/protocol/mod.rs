@@ -45,7 +45,8 @@
 //! | 12 | 4 | rank | the sender's rank |
 //! | 16 | 4 | world size | the sender's world size |
 //! | 20 | 1 | flags | bit 0: an auth-token digest is present; other bits 0 |
-//! | 21 | 3 | reserved | 0 |
+//! | 21 | 1 | connections per peer (both sides must agree) | 1 and up |
+//! | 22 | 2 | reserved | 0 |
 //! | 24 | 32 | auth token | the auth-token digest, or 32 zero bytes when absent |
 //!
 //! The magic and version keep their offsets in every version, and the handshake stays 56 bytes,

@@ -126,6 +126,13 @@ impl ProcessGroup {
         if world_size == 0 || rank >= world_size {
             return Err(InitError::BadRank { rank, world_size });
         }
+        if !(1..=super::MAX_CONNECTIONS_PER_PEER).contains(&opts.connections_per_peer) {
+            return Err(InitError::Env(format!(
+                "connections_per_peer is {}, expected 1 to {}",
+                opts.connections_per_peer,
+                super::MAX_CONNECTIONS_PER_PEER
+            )));
+        }
         let me = Rank(rank);
         let streams = mesh(&net, store.as_ref(), gid, me, world_size, &opts).await?;
 
@@ -149,16 +156,20 @@ impl ProcessGroup {
         let limits = FrameLimits::new(opts.max_frame);
         let mut writers = Vec::with_capacity(world_size as usize);
         let mut halves = Vec::new();
-        for (peer, stream) in streams.into_iter().enumerate() {
-            match stream {
-                Some(s) => {
-                    let (r, w) = tokio::io::split(s);
-                    let (tx, rx) = mpsc::unbounded_channel::<Outbound>();
-                    writers.push(Some(tx));
-                    halves.push((Rank(peer as u32), r, w, rx));
-                }
-                None => writers.push(None),
+        for (peer, conns) in streams.into_iter().enumerate() {
+            if conns.is_empty() {
+                writers.push(None);
+                continue;
             }
+            let tally = Arc::new(link::CloseTally::new(conns.len()));
+            let mut lanes = Vec::with_capacity(conns.len());
+            for s in conns {
+                let (r, w) = tokio::io::split(s);
+                let (tx, rx) = mpsc::unbounded_channel::<Outbound>();
+                lanes.push(tx);
+                halves.push((Rank(peer as u32), r, w, rx, tally.clone()));
+            }
+            writers.push(Some(link::Lanes::new(lanes)));
         }
         let inner = Arc::new_cyclic(|weak: &std::sync::Weak<Inner>| {
             let weak = weak.clone();
@@ -187,14 +198,16 @@ impl ProcessGroup {
         let weak = Arc::downgrade(&inner);
         let mut tasks = Vec::new();
         let mut writer_tasks = Vec::new();
-        for (peer, r, w, rx) in halves {
+        for (peer, r, w, rx, tally) in halves {
             let (err_tx, mut err_rx) = mpsc::unbounded_channel();
             writer_tasks.push(tokio::spawn(link::run_writer(me, peer, w, rx, err_tx)));
-            let weak_r = weak.clone();
+            let (weak_r, tally_r) = (weak.clone(), tally.clone());
             tasks.push(tokio::spawn(async move {
                 link::run_reader(peer, r, limits, |inbound| {
                     let Some(inner) = weak_r.upgrade() else { return false };
-                    inner.input(|st, fx| deliver(st, fx, inbound));
+                    if tally_r.pass(&inbound) {
+                        inner.input(|st, fx| deliver(st, fx, inbound));
+                    }
                     true
                 })
                 .await
@@ -203,7 +216,9 @@ impl ProcessGroup {
             tasks.push(tokio::spawn(async move {
                 while let Some(inbound) = err_rx.recv().await {
                     let Some(inner) = weak_e.upgrade() else { return };
-                    inner.input(|st, fx| deliver(st, fx, inbound));
+                    if tally.pass(&inbound) {
+                        inner.input(|st, fx| deliver(st, fx, inbound));
+                    }
                 }
             }));
         }
@@ -286,7 +301,8 @@ async fn watch_store_errors(weak: std::sync::Weak<Inner>) {
     }
 }
 
-/// Build the full mesh: one stream per peer (`None` at this rank's own index).
+/// Build the full mesh: `connections_per_peer` streams per peer, in connection order (none at
+/// this rank's own index).
 async fn mesh<N: Net>(
     net: &N,
     store: &dyn Store,
@@ -294,8 +310,8 @@ async fn mesh<N: Net>(
     me: Rank,
     world_size: u32,
     opts: &TcpOptions,
-) -> Result<Vec<Option<N::Stream>>, InitError> {
-    let mut streams: Vec<Option<N::Stream>> = (0..world_size).map(|_| None).collect();
+) -> Result<Vec<Vec<N::Stream>>, InitError> {
+    let mut streams: Vec<Vec<N::Stream>> = (0..world_size).map(|_| Vec::new()).collect();
     if world_size == 1 {
         return Ok(streams);
     }
@@ -305,28 +321,34 @@ async fn mesh<N: Net>(
     let published = SocketAddr::new(opts.bind_addr, local.port());
     store.set(&addr_key(gid, me.0), published.to_string().as_bytes()).await?;
 
-    let expect = HandshakeExpectation::new(gid, me, world_size);
+    let k = opts.connections_per_peer;
+    let expect = HandshakeExpectation::new(gid, me, world_size).with_connections_per_peer(k);
     let deadline = tokio::time::Instant::now() + opts.init_timeout;
     let higher = world_size - me.0 - 1;
 
-    // Accept every higher rank while dialing every lower one. Each accepted connection does
-    // its handshake in its own task, bounded in time, so that a connection that never speaks
-    // (or speaks garbage) holds up nobody: it is dropped with a warning. Only a rank of this
-    // job that is misconfigured (wrong world size, impossible rank) fails the rendezvous.
+    // Accept every higher rank's connections while dialing every lower one. Each accepted
+    // connection does its handshake in its own task, bounded in time, so that a connection
+    // that never speaks (or speaks garbage) holds up nobody: it is dropped with a warning. Only
+    // a rank of this job that is misconfigured (wrong world size, impossible rank, another
+    // number of connections per peer) fails the rendezvous.
     let accept = async {
-        let mut got: BTreeMap<u32, N::Stream> = BTreeMap::new();
-        let mut pending: tokio::task::JoinSet<(SocketAddr, N::Stream, Result<Rank, HandshakeFailure>)> =
-            tokio::task::JoinSet::new();
-        while (got.len() as u32) < higher {
+        let mut got: BTreeMap<u32, BTreeMap<u16, N::Stream>> = BTreeMap::new();
+        let complete = |got: &BTreeMap<u32, BTreeMap<u16, N::Stream>>| {
+            got.values().filter(|conns| conns.len() == usize::from(k)).count() as u32
+        };
+        let mut pending: tokio::task::JoinSet<Accepted<N::Stream>> = tokio::task::JoinSet::new();
+        while complete(&got) < higher {
             tokio::select! {
                 biased;
                 done = pending.join_next(), if !pending.is_empty() => {
                     let Some(Ok((remote, stream, result))) = done else { continue };
                     match result {
-                        Ok(peer) if peer.0 > me.0 && !got.contains_key(&peer.0) => {
-                            got.insert(peer.0, stream);
+                        Ok((peer, index)) if peer.0 > me.0 && !got.get(&peer.0).is_some_and(|c| c.contains_key(&index)) => {
+                            got.entry(peer.0).or_default().insert(index, stream);
                         }
-                        Ok(peer) => tracing::warn!(%remote, "dropping a second connection claiming rank {peer}"),
+                        Ok((peer, index)) => {
+                            tracing::warn!(%remote, "dropping a second connection {index} claiming rank {peer}");
+                        }
                         Err(HandshakeFailure::Refused(e)) if is_misconfigured_rank(&e) => {
                             tracing::warn!(%remote, "refused a connection: {e}");
                             return Err(InitError::Handshake { peer: remote.to_string(), source: e });
@@ -357,7 +379,7 @@ async fn mesh<N: Net>(
         Ok(got)
     };
     let dial = async {
-        let mut got: BTreeMap<u32, N::Stream> = BTreeMap::new();
+        let mut got: BTreeMap<u32, BTreeMap<u16, N::Stream>> = BTreeMap::new();
         for peer in 0..me.0 {
             let key = addr_key(gid, peer);
             let remaining = deadline.saturating_duration_since(tokio::time::Instant::now());
@@ -372,53 +394,85 @@ async fn mesh<N: Net>(
                 reason: "the published address does not parse".into(),
                 timeout: opts.init_timeout,
             })?;
-            let mut backoff = Duration::from_millis(5);
-            let stream = loop {
-                // One attempt (connect, then handshake), bounded by the init deadline: a peer
-                // behind a partition never answers, and must not hold init past its timeout.
-                let attempt = async {
-                    match net.connect(&addr.ip().to_string(), addr.port()).await {
-                        Ok(mut s) => match handshake(&mut s, &expect.with_peer(Rank(peer)), Some(Rank(peer))).await {
-                            Ok(_) => Ok(s),
-                            Err(HandshakeFailure::Refused(e)) => Err(Err(e)),
-                            Err(e) => Err(Ok(e.to_string())),
-                        },
-                        Err(e) => Err(Ok(e.to_string())),
-                    }
-                };
-                let err = match tokio::time::timeout_at(deadline, attempt).await {
-                    Ok(Ok(s)) => break s,
-                    Ok(Err(Err(e))) => {
-                        return Err(InitError::Handshake { peer: format!("rank {peer}"), source: e });
-                    }
-                    Ok(Err(Ok(e))) => e,
-                    Err(_) => "no answer before the init timeout".to_owned(),
-                };
-                if tokio::time::Instant::now() + backoff >= deadline {
-                    return Err(InitError::Unreachable {
-                        rank: peer,
-                        addr: text,
-                        reason: err,
-                        timeout: opts.init_timeout,
-                    });
-                }
-                tokio::time::sleep(backoff).await;
-                backoff = (backoff * 2).min(Duration::from_millis(500));
-            };
-            got.insert(peer, stream);
+            for index in 0..k {
+                let stream =
+                    dial_one(net, &expect.with_peer(Rank(peer)), peer, index, addr, &text, deadline, opts).await?;
+                got.entry(peer).or_default().insert(index, stream);
+            }
         }
         Ok(got)
     };
     let (accepted, dialed) = tokio::join!(accept, dial);
     let (accepted, dialed) = (accepted?, dialed?);
-    if (accepted.len() as u32) < higher {
-        return Err(missing(store, gid, world_size, opts.init_timeout).await);
+    let short: Vec<u32> =
+        (me.0 + 1..world_size).filter(|p| accepted.get(p).map_or(0, BTreeMap::len) < usize::from(k)).collect();
+    if !short.is_empty() {
+        let err = missing(store, gid, world_size, opts.init_timeout).await;
+        // Every rank published its address, yet some never connected: say who.
+        if matches!(&err, InitError::Missing { missing, .. } if missing.is_empty()) {
+            return Err(InitError::Unreachable {
+                rank: short[0],
+                addr: "(it dials this rank)".into(),
+                reason: format!("ranks {short:?} joined the store but did not connect to rank {me}"),
+                timeout: opts.init_timeout,
+            });
+        }
+        return Err(err);
     }
-    for (peer, s) in accepted.into_iter().chain(dialed) {
-        streams[peer as usize] = Some(s);
+    for (peer, conns) in accepted.into_iter().chain(dialed) {
+        streams[peer as usize] = conns.into_values().collect();
     }
     Ok(streams)
 }
+
+/// Dial connection `index` to `peer` at `addr`, retrying with backoff until `deadline`.
+#[allow(clippy::too_many_arguments)]
+async fn dial_one<N: Net>(
+    net: &N,
+    expect: &HandshakeExpectation,
+    peer: u32,
+    index: u16,
+    addr: SocketAddr,
+    text: &str,
+    deadline: tokio::time::Instant,
+    opts: &TcpOptions,
+) -> Result<N::Stream, InitError> {
+    let mut backoff = Duration::from_millis(5);
+    loop {
+        // One attempt (connect, then handshake), bounded by the init deadline: a peer behind
+        // a partition never answers, and must not hold init past its timeout.
+        let attempt = async {
+            match net.connect(&addr.ip().to_string(), addr.port()).await {
+                Ok(mut s) => match handshake_on(&mut s, expect, index).await {
+                    Ok(_) => Ok(s),
+                    Err(HandshakeFailure::Refused(e)) => Err(Err(e)),
+                    Err(e) => Err(Ok(e.to_string())),
+                },
+                Err(e) => Err(Ok(e.to_string())),
+            }
+        };
+        let err = match tokio::time::timeout_at(deadline, attempt).await {
+            Ok(Ok(s)) => return Ok(s),
+            Ok(Err(Err(e))) => return Err(InitError::Handshake { peer: format!("rank {peer}"), source: e }),
+            Ok(Err(Ok(e))) => e,
+            Err(_) => "no answer before the init timeout".to_owned(),
+        };
+        if tokio::time::Instant::now() + backoff >= deadline {
+            return Err(InitError::Unreachable {
+                rank: peer,
+                addr: text.to_owned(),
+                reason: err,
+                timeout: opts.init_timeout,
+            });
+        }
+        tokio::time::sleep(backoff).await;
+        backoff = (backoff * 2).min(Duration::from_millis(500));
+    }
+}
+
+/// An accepted connection after its handshake: the remote address, the stream, and the peer's
+/// rank and connection index (or why it was refused).
+type Accepted<S> = (SocketAddr, S, Result<(Rank, u16), HandshakeFailure>);
 
 /// How long an accepted connection may take to send its handshake.
 const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
@@ -430,6 +484,7 @@ fn is_misconfigured_rank(e: &HandshakeError) -> bool {
     matches!(
         e,
         HandshakeError::WorldSizeMismatch { .. }
+            | HandshakeError::ConnectionsPerPeerMismatch { .. }
             | HandshakeError::RankOutOfRange { .. }
             | HandshakeError::RankIsSelf { .. }
     )
@@ -467,18 +522,29 @@ async fn missing(store: &dyn Store, gid: GroupId, world_size: u32, timeout: Dura
     InitError::Missing { joined: world_size - missing.len() as u32, world_size, missing, timeout }
 }
 
-/// Exchange and check handshakes on a fresh connection; returns the peer's rank.
+/// The accepting side of a handshake: answers with connection index 0 (the dialer's index is
+/// the one that counts); returns the peer's rank and connection index.
 async fn handshake<S: AsyncRead + AsyncWrite + Unpin>(
     stream: &mut S,
     expect: &HandshakeExpectation,
     _dialed: Option<Rank>,
-) -> Result<Rank, HandshakeFailure> {
+) -> Result<(Rank, u16), HandshakeFailure> {
+    handshake_on(stream, expect, 0).await
+}
+
+/// Exchange and check handshakes on a fresh connection, sending connection index `index`;
+/// returns the peer's rank and the index it sent.
+async fn handshake_on<S: AsyncRead + AsyncWrite + Unpin>(
+    stream: &mut S,
+    expect: &HandshakeExpectation,
+    index: u16,
+) -> Result<(Rank, u16), HandshakeFailure> {
     let io = HandshakeFailure::Io;
-    stream.write_all(&expect.handshake(0).encode()).await.map_err(io)?;
+    stream.write_all(&expect.handshake(index).encode()).await.map_err(io)?;
     stream.flush().await.map_err(io)?;
     let mut buf = [0u8; HANDSHAKE_LEN];
     stream.read_exact(&mut buf).await.map_err(io)?;
-    let verdict = Handshake::decode(&buf).and_then(|hs| hs.check(expect).map(|()| hs.rank));
+    let verdict = Handshake::decode(&buf).and_then(|hs| hs.check(expect).map(|()| (hs.rank, hs.connection)));
     let reply = match &verdict {
         Ok(_) => HandshakeReply::Accept,
         Err(e) => HandshakeReply::reject(e),

@@ -13,6 +13,63 @@ use tokio::sync::mpsc;
 /// ones go out as header then payload, without a copy.
 const COALESCE_LIMIT: usize = 64 * 1024;
 
+/// The connections to one peer, as the driver writes to them: one queue per connection.
+/// Large data frames go round robin over them; everything else (control frames, point-to-point
+/// messages, small data frames) keeps to the first, so that its order holds. Data frames may
+/// arrive in any order: the schedule executor places a chunk by its step and sender.
+#[derive(Debug)]
+pub(crate) struct Lanes {
+    lanes: Vec<mpsc::UnboundedSender<Outbound>>,
+    next: std::sync::atomic::AtomicUsize,
+}
+
+impl Lanes {
+    pub(crate) fn new(lanes: Vec<mpsc::UnboundedSender<Outbound>>) -> Self {
+        Lanes { lanes, next: std::sync::atomic::AtomicUsize::new(0) }
+    }
+
+    /// Queue `out` on its connection; false if that connection's writer is gone.
+    pub(crate) fn send(&self, out: Outbound) -> bool {
+        let n = self.lanes.len();
+        let lane = if n > 1 && out.header.kind == FrameKind::Data && out.payload.len() > COALESCE_LIMIT {
+            self.next.fetch_add(1, std::sync::atomic::Ordering::Relaxed) % n
+        } else {
+            0
+        };
+        self.lanes.get(lane).is_some_and(|tx| tx.send(out).is_ok())
+    }
+}
+
+/// Turns the closes of one peer's several connections into the one close the driver hears:
+/// the first unclean one at once (a crash or reset is a crash however many connections see
+/// it), a clean one only when every connection has said goodbye (frames may still be on the
+/// others until then).
+pub(crate) struct CloseTally {
+    open: std::sync::atomic::AtomicUsize,
+    reported: std::sync::atomic::AtomicBool,
+}
+
+impl CloseTally {
+    pub(crate) fn new(connections: usize) -> Self {
+        CloseTally {
+            open: std::sync::atomic::AtomicUsize::new(connections),
+            reported: std::sync::atomic::AtomicBool::new(false),
+        }
+    }
+
+    /// Whether `inbound` should reach the driver.
+    pub(crate) fn pass(&self, inbound: &Inbound) -> bool {
+        use std::sync::atomic::Ordering::SeqCst;
+        match inbound {
+            Inbound::Frame { .. } => true,
+            Inbound::Closed { clean: false, .. } => !self.reported.swap(true, SeqCst),
+            Inbound::Closed { clean: true, .. } => {
+                self.open.fetch_sub(1, SeqCst) == 1 && !self.reported.swap(true, SeqCst)
+            }
+        }
+    }
+}
+
 /// What a reader hands the driver.
 #[derive(Debug)]
 pub(crate) enum Inbound {
@@ -199,4 +256,58 @@ pub(crate) async fn run_writer<W>(
 async fn write_large<W: AsyncWrite + Unpin>(stream: &mut W, out: &Outbound) -> io::Result<()> {
     stream.write_all(&out.header.encode()).await?;
     stream.write_all(&out.payload).await
+}
+
+#[cfg(test)]
+mod tests {
+    use cohort_core::work::{GroupId, SeqNo};
+
+    use super::*;
+
+    fn frame(kind: FrameKind, len: usize) -> Outbound {
+        let mut header = FrameHeader::data(GroupId(0), SeqNo(1), 0, Rank(0), len as u64);
+        header.kind = kind;
+        Outbound { header, payload: Bytes::from(vec![0u8; len]), written: None }
+    }
+
+    #[test]
+    fn large_data_frames_go_round_robin_and_the_rest_keep_to_the_first_connection() {
+        let (txs, mut rxs): (Vec<_>, Vec<_>) = (0..3).map(|_| mpsc::unbounded_channel()).unzip();
+        let lanes = Lanes::new(txs);
+        let big = COALESCE_LIMIT + 1;
+        for _ in 0..6 {
+            assert!(lanes.send(frame(FrameKind::Data, big)));
+        }
+        assert!(lanes.send(frame(FrameKind::Data, 16)));
+        assert!(lanes.send(frame(FrameKind::P2p, big)));
+        assert!(lanes.send(frame(FrameKind::Error, 8)));
+        let counts: Vec<usize> = rxs.iter_mut().map(|rx| std::iter::from_fn(|| rx.try_recv().ok()).count()).collect();
+        assert_eq!(counts, vec![2 + 3, 2, 2]);
+        drop(rxs);
+        assert!(!lanes.send(frame(FrameKind::Data, 16)), "a closed connection refuses");
+    }
+
+    fn closed(clean: bool) -> Inbound {
+        Inbound::Closed { from: Rank(1), reason: String::new(), clean }
+    }
+
+    #[test]
+    fn a_peer_closes_once_cleanly_after_every_goodbye_or_at_its_first_crash() {
+        let t = CloseTally::new(3);
+        assert!(!t.pass(&closed(true)));
+        assert!(t.pass(&Inbound::Frame {
+            from: Rank(1),
+            header: FrameHeader::heartbeat(Rank(1)),
+            payload: Vec::new()
+        }));
+        assert!(!t.pass(&closed(true)));
+        assert!(t.pass(&closed(true)), "the last goodbye closes the peer");
+        assert!(!t.pass(&closed(false)), "only once");
+
+        let t = CloseTally::new(3);
+        assert!(!t.pass(&closed(true)));
+        assert!(t.pass(&closed(false)), "a crash on any connection closes the peer at once");
+        assert!(!t.pass(&closed(true)));
+        assert!(!t.pass(&closed(false)));
+    }
 }

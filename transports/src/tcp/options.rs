@@ -28,6 +28,11 @@ pub struct TcpOptions {
     pub bind_addr: IpAddr,
     /// Largest frame payload accepted from a peer. Default 1 GiB.
     pub max_frame: u64,
+    /// TCP connections between each pair of ranks (1 to [`MAX_CONNECTIONS_PER_PEER`]). With
+    /// more than one, large data frames are spread over them round robin; control frames and
+    /// point-to-point messages keep to the first, so their order holds. Every rank must use the
+    /// same number (the handshake checks it). `COHORT_CONNECTIONS_PER_PEER`, default 1.
+    pub connections_per_peer: u16,
     /// Works the data plane may run at once. Default 64.
     pub max_in_flight: usize,
     /// Flight-recorder entries kept (0 turns it off). `COHORT_TRACE_BUFFER_SIZE`, as
@@ -52,6 +57,7 @@ impl Default for TcpOptions {
             error_handling: ErrorHandling::default(),
             bind_addr: IpAddr::V4(Ipv4Addr::LOCALHOST),
             max_frame: 1 << 30,
+            connections_per_peer: 1,
             max_in_flight: 64,
             trace_buffer_size: 2000,
             dump_prefix: None,
@@ -59,6 +65,9 @@ impl Default for TcpOptions {
         }
     }
 }
+
+/// Most connections a pair of ranks may open.
+pub const MAX_CONNECTIONS_PER_PEER: u16 = 16;
 
 /// A `COHORT_*` variable that does not parse.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -117,6 +126,14 @@ impl TcpOptions {
         }
         if let Some(n) = parse_u64("COHORT_TRACE_BUFFER_SIZE")? {
             o.trace_buffer_size = usize::try_from(n).unwrap_or(usize::MAX);
+        }
+        if let Some(n) = parse_u64("COHORT_CONNECTIONS_PER_PEER")? {
+            o.connections_per_peer =
+                u16::try_from(n).ok().filter(|n| (1..=MAX_CONNECTIONS_PER_PEER).contains(n)).ok_or(EnvError {
+                    name: "COHORT_CONNECTIONS_PER_PEER",
+                    value: n.to_string(),
+                    reason: format!("expected 1 to {MAX_CONNECTIONS_PER_PEER}"),
+                })?;
         }
         o.dump_prefix = var("COHORT_DUMP_ON_FAILURE").map(PathBuf::from);
         o.bind_addr = resolve_bind_addr(var("COHORT_SOCKET_IFNAME").as_deref())?;

@@ -14,10 +14,9 @@ use cohort_core::group::{Collective, Completion, ControlMsg, Event, GroupState, 
 use cohort_core::protocol::{Fingerprint, FrameHeader, FrameKind, decode_message, truncate_message};
 use cohort_core::tensor::Tensor;
 use cohort_core::work::{GroupId, Rank, SeqNo, WorkId};
-use tokio::sync::mpsc;
 
 use super::collective::{CollectiveRun, Step};
-use super::link::Outbound;
+use super::link::{Lanes, Outbound};
 use crate::work::{Work, WorkCompleter};
 
 /// What the user handed in with a work, and what it becomes.
@@ -86,7 +85,7 @@ pub(crate) struct DriverState {
     pub(crate) group: GroupState,
     me: Rank,
     gid: GroupId,
-    writers: Vec<Option<mpsc::UnboundedSender<Outbound>>>,
+    writers: Vec<Option<Lanes>>,
     pending: BTreeMap<WorkId, Pending>,
     /// Running collectives by sequence number.
     running: BTreeMap<SeqNo, WorkId>,
@@ -119,11 +118,7 @@ impl std::fmt::Debug for WrittenHook {
 }
 
 impl DriverState {
-    pub(crate) fn new(
-        group: GroupState,
-        writers: Vec<Option<mpsc::UnboundedSender<Outbound>>>,
-        on_written: OnWritten,
-    ) -> Self {
+    pub(crate) fn new(group: GroupState, writers: Vec<Option<Lanes>>, on_written: OnWritten) -> Self {
         DriverState {
             me: group.rank(),
             gid: group.config().group_id,
@@ -310,10 +305,10 @@ impl DriverState {
 
     /// Queue a frame of work `id` for `to`; false if the link is gone.
     fn send_frame(&mut self, id: WorkId, to: Rank, header: FrameHeader, payload: Bytes) -> bool {
-        let Some(tx) = self.writers.get(to.index()).and_then(Option::as_ref) else { return false };
+        let Some(lanes) = self.writers.get(to.index()).and_then(Option::as_ref) else { return false };
         let notify = self.on_written.0.clone();
         let written: super::link::Written = Box::new(move |outcome| notify(id, to, outcome));
-        if tx.send(Outbound { header, payload, written: Some(written) }).is_err() {
+        if !lanes.send(Outbound { header, payload, written: Some(written) }) {
             return false;
         }
         if let Some(p) = self.pending.get_mut(&id) {
@@ -604,9 +599,6 @@ impl DriverState {
 }
 
 /// Queue a frame for `to`; false if the link is gone.
-fn send(writers: &[Option<mpsc::UnboundedSender<Outbound>>], to: Rank, out: Outbound) -> bool {
-    match writers.get(to.index()).and_then(Option::as_ref) {
-        Some(tx) => tx.send(out).is_ok(),
-        None => false,
-    }
+fn send(writers: &[Option<Lanes>], to: Rank, out: Outbound) -> bool {
+    writers.get(to.index()).and_then(Option::as_ref).is_some_and(|lanes| lanes.send(out))
 }
