@@ -115,6 +115,10 @@ pub struct GroupConfig {
     /// Unix time in nanoseconds at the group's epoch, read by the caller at the same moment as
     /// the `now` given to [`GroupState::new`]: the recorder's wall-clock anchor.
     pub wall_epoch_ns: u64,
+    /// Peers connect lazily, on first use: a peer's silence is watched, and heartbeats are
+    /// sent to it, only once [`GroupState::handle_peer_connected`] says it is connected. When
+    /// false (the default) every peer is connected from the start.
+    pub lazy_peers: bool,
 }
 
 impl GroupConfig {
@@ -132,6 +136,7 @@ impl GroupConfig {
             recorder: RecorderConfig::default(),
             backend: "cohort".into(),
             wall_epoch_ns: 0,
+            lazy_peers: false,
         }
     }
 }
@@ -693,6 +698,8 @@ pub struct GroupState {
     lost: BTreeMap<Rank, String>,
     /// Lost peers that said goodbye: what they sent before leaving may still be received.
     departed: std::collections::BTreeSet<Rank>,
+    /// Peers connected so far ([`GroupConfig::lazy_peers`]; every peer otherwise).
+    connected: std::collections::BTreeSet<Rank>,
     health: Health,
     transmits: VecDeque<Transmit>,
     launches: VecDeque<Launch>,
@@ -722,17 +729,21 @@ impl GroupState {
             last_timeout_reason: None,
             lost: BTreeMap::new(),
             departed: std::collections::BTreeSet::new(),
+            connected: std::collections::BTreeSet::new(),
             health: Health::Healthy,
             transmits: VecDeque::new(),
             launches: VecDeque::new(),
             events: VecDeque::new(),
             cfg,
         };
+        if !g.cfg.lazy_peers {
+            g.connected = g.peers().into_iter().collect();
+        }
         if let Some(hb) = g.cfg.heartbeat
             && g.cfg.world_size > 1
         {
             g.timers.set(TimerKind::Heartbeat, Duration::ZERO);
-            for peer in g.peers() {
+            for peer in g.connected.clone() {
                 g.timers.set(TimerKind::PeerSilence(peer), hb.dead_after);
             }
         }
@@ -925,9 +936,32 @@ impl GroupState {
             && from != self.rank
             && from.0 < self.cfg.world_size
             && !self.lost.contains_key(&from)
+            && self.connected.contains(&from)
         {
             self.timers.set(TimerKind::PeerSilence(from), now.saturating_add(hb.dead_after));
         }
+    }
+
+    /// A lazily connected peer ([`GroupConfig::lazy_peers`]) is now connected: heartbeats go to
+    /// it and its silence is watched from `now`. Repeats and unknown ranks do nothing.
+    pub fn handle_peer_connected(&mut self, now: Instant, peer: Rank) {
+        let now = self.since_epoch(now);
+        if peer == self.rank
+            || peer.0 >= self.cfg.world_size
+            || self.lost.contains_key(&peer)
+            || self.departed.contains(&peer)
+            || !self.connected.insert(peer)
+        {
+            return;
+        }
+        if let Some(hb) = self.cfg.heartbeat {
+            self.timers.set(TimerKind::PeerSilence(peer), now.saturating_add(hb.dead_after));
+        }
+    }
+
+    /// Whether `peer` is connected (always, unless [`GroupConfig::lazy_peers`]).
+    pub fn is_connected(&self, peer: Rank) -> bool {
+        self.connected.contains(&peer)
     }
 
     /// The connection to `rank` is gone (EOF, reset, or the driver gave up on it). Every work
@@ -969,7 +1003,7 @@ impl GroupState {
             match kind {
                 TimerKind::Heartbeat => {
                     for to in self.peers() {
-                        if !self.lost.contains_key(&to) {
+                        if !self.lost.contains_key(&to) && self.connected.contains(&to) {
                             self.transmits.push_back(Transmit { to, msg: ControlMsg::Heartbeat });
                         }
                     }
@@ -1472,6 +1506,34 @@ mod tests {
         );
         assert!(matches!(&events[1], Event::GroupFailed(f) if f.culprit == Some(Rank(2))));
         assert_eq!(g.last_timeout_reason(), Some(TimerKind::PeerSilence(Rank(2))));
+    }
+
+    #[test]
+    fn lazy_peers_get_heartbeats_and_silence_watch_only_once_connected() {
+        let mut cfg = GroupConfig::new(3);
+        cfg.lazy_peers = true;
+        cfg.heartbeat =
+            Some(HeartbeatConfig { interval: Duration::from_millis(100), dead_after: Duration::from_millis(350) });
+        #[allow(clippy::disallowed_methods)] // the test's one epoch
+        let t0 = Instant::now();
+        let mut g = GroupState::new(cfg, Rank(0), t0);
+        let ms = |m| t0 + Duration::from_millis(m);
+        g.handle_timeout(ms(0));
+        assert_eq!(g.poll_transmit(), None, "nobody is connected yet");
+        assert!(!g.is_connected(Rank(1)));
+        // Silence from a peer never connected loses nobody.
+        g.handle_timeout(ms(1000));
+        assert!(drain_events(&mut g).is_empty());
+        assert_eq!(g.poll_transmit(), None);
+        g.handle_peer_connected(ms(1000), Rank(1));
+        assert!(g.is_connected(Rank(1)));
+        g.handle_timeout(ms(1100));
+        let to: Vec<Rank> = std::iter::from_fn(|| g.poll_transmit()).map(|t| t.to).collect();
+        assert_eq!(to, vec![Rank(1)]);
+        // Connected at 1000 ms, silent since: lost at 1350 ms, naming it.
+        g.handle_timeout(ms(1360));
+        let events = drain_events(&mut g);
+        assert!(matches!(&events[0], Event::PeerLost { rank: Rank(1), .. }), "{events:?}");
     }
 
     #[test]

@@ -338,14 +338,13 @@ fn collectives_go_on_after_the_store_is_killed_and_a_later_loss_is_still_named()
     }
 }
 
-#[test]
-fn every_collective_is_right_and_a_sigkill_is_named_over_two_connections_per_peer() {
-    let env = [("COHORT_CONNECTIONS_PER_PEER", "2")];
-    let lines = start(3, "collectives", &env).finish(Duration::from_secs(120));
+/// Every collective, then a SIGKILL, with `env` on every rank.
+fn collectives_and_a_sigkill_with(env: &[(&str, &str)]) {
+    let lines = start(3, "collectives", env).finish(Duration::from_secs(120));
     for r in 0..3 {
-        assert!(lines.contains(&(r, "ok collectives".to_string())), "{lines:?}");
+        assert!(lines.contains(&(r, "ok collectives".to_string())), "{env:?}: {lines:?}");
     }
-    let mut job = start(3, "wait-for-last", &env);
+    let mut job = start(3, "wait-for-last", env);
     let mut ready = 0;
     let deadline = Instant::now() + Duration::from_secs(60);
     while ready < 3 {
@@ -357,6 +356,18 @@ fn every_collective_is_right_and_a_sigkill_is_named_over_two_connections_per_pee
     let lines = job.finish(Duration::from_secs(30));
     for r in 0..2 {
         let line = line_of(&lines, r, "noticed_ns");
-        assert!(line.contains("culprit Some(2)") && line.contains("rank 2"), "{line}");
+        eprintln!("{env:?} rank {r}: {line}");
+        assert!(line.contains("culprit Some(2)") && line.contains("rank 2"), "{env:?}: {line}");
     }
+}
+
+#[test]
+fn every_collective_is_right_and_a_sigkill_is_named_over_two_connections_per_peer() {
+    collectives_and_a_sigkill_with(&[("COHORT_CONNECTIONS_PER_PEER", "2")]);
+}
+
+#[test]
+fn every_collective_is_right_and_a_sigkill_is_named_with_lazy_connection() {
+    collectives_and_a_sigkill_with(&[("COHORT_LAZY_INIT", "1")]);
+    collectives_and_a_sigkill_with(&[("TORCH_GLOO_LAZY_INIT", "1"), ("COHORT_CONNECTIONS_PER_PEER", "2")]);
 }

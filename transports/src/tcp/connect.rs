@@ -5,6 +5,9 @@
 //! rank and accepts every higher one. On each connection both sides write their
 //! [`Handshake`], read the other's, check it and answer with a [`HandshakeReply`], so both
 //! learn why a connection was refused (wrong world size, wrong group, duplicate rank…).
+//! With `connections_per_peer` > 1 each pair opens that many, each handshake carrying its
+//! index. With `lazy_connect`, init only waits for every rank's address and the mesh is built
+//! on first use (see `lazy`).
 
 use std::collections::BTreeMap;
 use std::net::SocketAddr;
@@ -96,7 +99,7 @@ pub(crate) fn error_key(gid: GroupId) -> String {
     format!("{}error", group_prefix(gid))
 }
 
-fn addr_key(gid: GroupId, rank: u32) -> String {
+pub(crate) fn addr_key(gid: GroupId, rank: u32) -> String {
     format!("{}addr/{rank}", group_prefix(gid))
 }
 
@@ -134,7 +137,18 @@ impl ProcessGroup {
             )));
         }
         let me = Rank(rank);
-        let streams = mesh(&net, store.as_ref(), gid, me, world_size, &opts).await?;
+        let k = opts.connections_per_peer;
+        let (streams, lazy_listener) = if world_size == 1 {
+            ((0..world_size).map(|_| Vec::new()).collect(), None)
+        } else {
+            let listener = listen(&net, store.as_ref(), gid, me, &opts).await?;
+            if opts.lazy_connect {
+                await_addresses(store.as_ref(), gid, world_size, &opts).await?;
+                ((0..world_size).map(|_| Vec::new()).collect(), Some(listener))
+            } else {
+                (mesh(&net, &listener, store.as_ref(), gid, me, world_size, &opts).await?, None)
+            }
+        };
 
         let mut cfg = GroupConfig::new(world_size);
         cfg.group_id = gid;
@@ -148,29 +162,31 @@ impl ProcessGroup {
         cfg.backend = super::BACKEND_NAME.into();
         // The recorder's wall-clock anchor, read beside the group's epoch. It only appears in
         // dumps, never in decisions; the simulator fixes it so that dumps replay byte for byte.
+        cfg.lazy_peers = opts.lazy_connect;
         cfg.wall_epoch_ns = opts.wall_clock_anchor_ns.unwrap_or_else(|| {
             std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_nanos() as u64)
         });
         let group = GroupState::new(cfg, me, now());
 
-        let limits = FrameLimits::new(opts.max_frame);
+        // Every connection to a peer counts in its tally, which turns their closes into one.
+        let tallies: Vec<Arc<link::CloseTally>> = (0..world_size).map(|_| Arc::new(link::CloseTally::new(0))).collect();
         let mut writers = Vec::with_capacity(world_size as usize);
-        let mut halves = Vec::new();
+        let mut attached = Vec::new();
         for (peer, conns) in streams.into_iter().enumerate() {
             if conns.is_empty() {
                 writers.push(None);
                 continue;
             }
-            let tally = Arc::new(link::CloseTally::new(conns.len()));
             let mut lanes = Vec::with_capacity(conns.len());
             for s in conns {
-                let (r, w) = tokio::io::split(s);
                 let (tx, rx) = mpsc::unbounded_channel::<Outbound>();
                 lanes.push(tx);
-                halves.push((Rank(peer as u32), r, w, rx, tally.clone()));
+                tallies[peer].add();
+                attached.push((Rank(peer as u32), s, rx));
             }
             writers.push(Some(link::Lanes::new(lanes)));
         }
+        let lazy = opts.lazy_connect.then_some(k);
         let inner = Arc::new_cyclic(|weak: &std::sync::Weak<Inner>| {
             let weak = weak.clone();
             let on_written: super::state::OnWritten = Arc::new(move |id, to, outcome| {
@@ -183,7 +199,7 @@ impl ProcessGroup {
                 world_size,
                 group_id: gid,
                 opts,
-                state: Mutex::new(DriverState::new(group, writers, on_written)),
+                state: Mutex::new(DriverState::new(group, writers, lazy, on_written)),
                 timer: Notify::new(),
                 hook: RwLock::new(None),
                 store,
@@ -193,45 +209,62 @@ impl ProcessGroup {
                 connector: super::split::connector(net.clone()),
                 split_counts: super::split::SplitCounts::default(),
                 lineage: Mutex::new(None),
+                tallies,
+                dialer: super::lazy::dialer(net.clone()),
             }
         });
-        let weak = Arc::downgrade(&inner);
-        let mut tasks = Vec::new();
-        let mut writer_tasks = Vec::new();
-        for (peer, r, w, rx, tally) in halves {
-            let (err_tx, mut err_rx) = mpsc::unbounded_channel();
-            writer_tasks.push(tokio::spawn(link::run_writer(me, peer, w, rx, err_tx)));
-            let (weak_r, tally_r) = (weak.clone(), tally.clone());
-            tasks.push(tokio::spawn(async move {
-                link::run_reader(peer, r, limits, |inbound| {
-                    let Some(inner) = weak_r.upgrade() else { return false };
-                    if tally_r.pass(&inbound) {
-                        inner.input(|st, fx| deliver(st, fx, inbound));
-                    }
-                    true
-                })
-                .await
-            }));
-            let weak_e = weak.clone();
-            tasks.push(tokio::spawn(async move {
-                while let Some(inbound) = err_rx.recv().await {
-                    let Some(inner) = weak_e.upgrade() else { return };
-                    if tally.pass(&inbound) {
-                        inner.input(|st, fx| deliver(st, fx, inbound));
-                    }
-                }
-            }));
+        for (peer, stream, rx) in attached {
+            attach(&inner, peer, stream, rx);
         }
-        tasks.push(tokio::spawn(run_timer(weak.clone())));
-        tasks.push(tokio::spawn(watch_store_errors(weak)));
-        *inner.tasks.lock().unwrap_or_else(|p| p.into_inner()) = tasks;
-        *inner.writers.lock().unwrap_or_else(|p| p.into_inner()) = writer_tasks;
+        let weak = Arc::downgrade(&inner);
+        let mut tasks = vec![tokio::spawn(run_timer(weak.clone())), tokio::spawn(watch_store_errors(weak.clone()))];
+        if let Some(listener) = lazy_listener {
+            let expect = HandshakeExpectation::new(gid, me, world_size).with_connections_per_peer(k);
+            tasks.push(tokio::spawn(super::lazy::serve_accepts(listener, weak, expect)));
+        }
+        inner.tasks.lock().unwrap_or_else(|p| p.into_inner()).extend(tasks);
         inner.timer.notify_one();
         Ok(ProcessGroup::from_inner(inner))
     }
 }
 
-fn deliver(st: &mut DriverState, fx: &mut Effects, inbound: link::Inbound) {
+/// Serve one connection to `peer`: a writer task writes what `rx` queues (and says goodbye when
+/// the driver closes it), a reader task feeds what arrives to the driver through the peer's
+/// close tally. The caller has counted the connection in the tally.
+pub(crate) fn attach<S>(inner: &Arc<Inner>, peer: Rank, stream: S, rx: mpsc::UnboundedReceiver<Outbound>)
+where
+    S: AsyncRead + AsyncWrite + Send + 'static,
+{
+    let (r, w) = tokio::io::split(stream);
+    let limits = FrameLimits::new(inner.opts.max_frame);
+    let Some(tally) = inner.tallies.get(peer.index()).cloned() else { return };
+    let weak = Arc::downgrade(inner);
+    let (err_tx, mut err_rx) = mpsc::unbounded_channel();
+    let writer = inner.runtime.spawn(link::run_writer(inner.rank, peer, w, rx, err_tx));
+    let (weak_r, tally_r) = (weak.clone(), tally.clone());
+    let reader = inner.runtime.spawn(async move {
+        link::run_reader(peer, r, limits, |inbound| {
+            let Some(inner) = weak_r.upgrade() else { return false };
+            if tally_r.pass(&inbound) {
+                inner.input(|st, fx| deliver(st, fx, inbound));
+            }
+            true
+        })
+        .await
+    });
+    let errors = inner.runtime.spawn(async move {
+        while let Some(inbound) = err_rx.recv().await {
+            let Some(inner) = weak.upgrade() else { return };
+            if tally.pass(&inbound) {
+                inner.input(|st, fx| deliver(st, fx, inbound));
+            }
+        }
+    });
+    inner.writers.lock().unwrap_or_else(|p| p.into_inner()).push(writer);
+    inner.tasks.lock().unwrap_or_else(|p| p.into_inner()).extend([reader, errors]);
+}
+
+pub(crate) fn deliver(st: &mut DriverState, fx: &mut Effects, inbound: link::Inbound) {
     match inbound {
         link::Inbound::Frame { from, header, payload } => st.handle_frame(now(), from, header, payload, fx),
         link::Inbound::Closed { from, reason, clean } => st.handle_closed(now(), from, reason, clean, fx),
@@ -289,15 +322,45 @@ async fn watch_store_errors(weak: std::sync::Weak<Inner>) {
         }
         let Ok(value) = store.get(&key).await else { continue };
         let text = String::from_utf8_lossy(&value).into_owned();
-        let (origin, message) = text.split_once('\n').unwrap_or(("", &text));
+        let mut parts = text.splitn(3, '\n');
+        let (Some(origin), Some(culprit), Some(message)) = (parts.next(), parts.next(), parts.next()) else { continue };
         let Ok(origin) = origin.parse::<u32>() else { continue };
+        let culprit = culprit.parse::<u32>().ok().map(Rank);
         let Some(inner) = weak.upgrade() else { return };
         if origin == inner.rank.0 {
             return;
         }
         let message = format!("(learned through the store) {message}");
-        inner.input(|st, fx| st.handle_remote_error(now(), Rank(origin), message, fx));
+        inner.input(|st, fx| st.handle_remote_error(now(), Rank(origin), culprit, message, fx));
         return;
+    }
+}
+
+/// Listen on any free port of the bind address and publish `ip:port` under this rank's key.
+async fn listen<N: Net>(
+    net: &N,
+    store: &dyn Store,
+    gid: GroupId,
+    me: Rank,
+    opts: &TcpOptions,
+) -> Result<N::Listener, InitError> {
+    let bind = SocketAddr::new(opts.bind_addr, 0);
+    let listener = net.bind(bind).await.map_err(|source| InitError::Bind { addr: bind, source })?;
+    let local = listener.local_addr().map_err(|source| InitError::Bind { addr: bind, source })?;
+    let published = SocketAddr::new(opts.bind_addr, local.port());
+    store.set(&addr_key(gid, me.0), published.to_string().as_bytes()).await?;
+    Ok(listener)
+}
+
+/// Lazy rendezvous: wait until every rank has published its address (so that init still says
+/// who is missing), without connecting to anyone.
+async fn await_addresses(store: &dyn Store, gid: GroupId, world_size: u32, opts: &TcpOptions) -> Result<(), InitError> {
+    let keys: Vec<String> = (0..world_size).map(|r| addr_key(gid, r)).collect();
+    let keys: Vec<&str> = keys.iter().map(String::as_str).collect();
+    match store.wait(&keys, opts.init_timeout).await {
+        Ok(()) => Ok(()),
+        Err(StoreError::Timeout { .. }) => Err(missing(store, gid, world_size, opts.init_timeout).await),
+        Err(e) => Err(e.into()),
     }
 }
 
@@ -305,6 +368,7 @@ async fn watch_store_errors(weak: std::sync::Weak<Inner>) {
 /// this rank's own index).
 async fn mesh<N: Net>(
     net: &N,
+    listener: &N::Listener,
     store: &dyn Store,
     gid: GroupId,
     me: Rank,
@@ -315,12 +379,6 @@ async fn mesh<N: Net>(
     if world_size == 1 {
         return Ok(streams);
     }
-    let bind = SocketAddr::new(opts.bind_addr, 0);
-    let listener = net.bind(bind).await.map_err(|source| InitError::Bind { addr: bind, source })?;
-    let local = listener.local_addr().map_err(|source| InitError::Bind { addr: bind, source })?;
-    let published = SocketAddr::new(opts.bind_addr, local.port());
-    store.set(&addr_key(gid, me.0), published.to_string().as_bytes()).await?;
-
     let k = opts.connections_per_peer;
     let expect = HandshakeExpectation::new(gid, me, world_size).with_connections_per_peer(k);
     let deadline = tokio::time::Instant::now() + opts.init_timeout;
@@ -427,7 +485,7 @@ async fn mesh<N: Net>(
 
 /// Dial connection `index` to `peer` at `addr`, retrying with backoff until `deadline`.
 #[allow(clippy::too_many_arguments)]
-async fn dial_one<N: Net>(
+pub(crate) async fn dial_one<N: Net>(
     net: &N,
     expect: &HandshakeExpectation,
     peer: u32,
@@ -472,15 +530,15 @@ async fn dial_one<N: Net>(
 
 /// An accepted connection after its handshake: the remote address, the stream, and the peer's
 /// rank and connection index (or why it was refused).
-type Accepted<S> = (SocketAddr, S, Result<(Rank, u16), HandshakeFailure>);
+pub(crate) type Accepted<S> = (SocketAddr, S, Result<(Rank, u16), HandshakeFailure>);
 
 /// How long an accepted connection may take to send its handshake.
-const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
+pub(crate) const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
 
 /// Whether a refused handshake came from a rank of this job that is set up wrongly (which
 /// fails the rendezvous on both sides at once, rather than at the init timeout), as opposed
 /// to something that is not a rank of this group at all (dropped with a warning).
-fn is_misconfigured_rank(e: &HandshakeError) -> bool {
+pub(crate) fn is_misconfigured_rank(e: &HandshakeError) -> bool {
     matches!(
         e,
         HandshakeError::WorldSizeMismatch { .. }
@@ -492,7 +550,7 @@ fn is_misconfigured_rank(e: &HandshakeError) -> bool {
 
 /// How a handshake went wrong: the connection (worth retrying) or the peer's answer (not).
 #[derive(Debug)]
-enum HandshakeFailure {
+pub(crate) enum HandshakeFailure {
     Io(std::io::Error),
     Refused(HandshakeError),
 }
@@ -524,7 +582,7 @@ async fn missing(store: &dyn Store, gid: GroupId, world_size: u32, timeout: Dura
 
 /// The accepting side of a handshake: answers with connection index 0 (the dialer's index is
 /// the one that counts); returns the peer's rank and connection index.
-async fn handshake<S: AsyncRead + AsyncWrite + Unpin>(
+pub(crate) async fn handshake<S: AsyncRead + AsyncWrite + Unpin>(
     stream: &mut S,
     expect: &HandshakeExpectation,
     _dialed: Option<Rank>,

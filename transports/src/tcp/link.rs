@@ -57,6 +57,11 @@ impl CloseTally {
         }
     }
 
+    /// Count one more connection to the peer.
+    pub(crate) fn add(&self) {
+        self.open.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+    }
+
     /// Whether `inbound` should reach the driver.
     pub(crate) fn pass(&self, inbound: &Inbound) -> bool {
         use std::sync::atomic::Ordering::SeqCst;

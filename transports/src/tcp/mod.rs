@@ -17,6 +17,7 @@
 mod collective;
 mod connect;
 mod init;
+mod lazy;
 mod link;
 mod monitored;
 mod options;
@@ -77,6 +78,10 @@ pub(crate) struct Inner {
     split_counts: split::SplitCounts,
     /// Where this group came from, if it was split or merged from another.
     lineage: Mutex<Option<split::Lineage>>,
+    /// Per peer: turns the closes of its connections into one.
+    tallies: Vec<Arc<link::CloseTally>>,
+    /// Dials a peer on first use (lazy connection).
+    dialer: lazy::Dialer,
 }
 
 impl Inner {
@@ -89,10 +94,14 @@ impl Inner {
     /// Run one input under the lock, then perform its effects outside it.
     pub(crate) fn input<T>(self: &Arc<Self>, f: impl FnOnce(&mut DriverState, &mut Effects) -> T) -> T {
         let mut effects = Effects::default();
-        let out = {
+        let (out, dials) = {
             let mut st = self.lock();
-            f(&mut st, &mut effects)
+            let out = f(&mut st, &mut effects);
+            (out, st.take_dial_requests())
         };
+        for (peer, lanes) in dials {
+            (self.dialer)(self.clone(), peer, lanes);
+        }
         self.apply(effects);
         out
     }
@@ -103,8 +112,8 @@ impl Inner {
         }
         // Dump before the works complete: a caller that sees the error and exits at once still
         // leaves its flight recorder on disk.
-        if let Some((origin, message)) = effects.failed {
-            self.on_failure(origin, message);
+        if let Some((origin, culprit, message)) = effects.failed {
+            self.on_failure(origin, culprit, message);
         }
         effects.finished.complete();
         if let Some(cause) = effects.tear_down {
@@ -117,12 +126,14 @@ impl Inner {
 
     /// The group failed or was aborted: dump the recorder, publish the cause through the store
     /// (first writer wins) so ranks that never saw the failure learn its origin, close links.
-    fn on_failure(self: &Arc<Self>, origin: Rank, message: String) {
+    fn on_failure(self: &Arc<Self>, origin: Rank, culprit: Option<Rank>, message: String) {
         self.dump_recorder("failure");
         self.lock().close_links();
         let store = self.store.clone();
         let key = connect::error_key(self.group_id);
-        let value = format!("{origin}\n{message}").into_bytes();
+        // "origin\nculprit\nmessage", the culprit "-" when unknown.
+        let culprit = culprit.map_or_else(|| "-".to_owned(), |r| r.0.to_string());
+        let value = format!("{}\n{culprit}\n{message}", origin.0).into_bytes();
         self.runtime.spawn(async move {
             if let Err(e) = store.compare_set(&key, b"", &value).await {
                 tracing::warn!("could not publish the failure through the store: {e}");
@@ -264,6 +275,13 @@ impl ProcessGroup {
     /// torch's `_get_sequence_number_for_group`; the next collective gets `seq() + 1`.
     pub fn seq(&self) -> cohort_core::work::SeqNo {
         self.inner.lock().group.seq()
+    }
+
+    /// The peers this rank is connected to: every peer, unless the group connects lazily
+    /// ([`TcpOptions::lazy_connect`]), where it is the peers talked to so far.
+    pub fn connected_peers(&self) -> Vec<Rank> {
+        let st = self.inner.lock();
+        (0..self.inner.world_size).map(Rank).filter(|&r| st.group.is_connected(r)).collect()
     }
 
     /// The group's first failure, if it failed.

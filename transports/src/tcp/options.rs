@@ -33,6 +33,12 @@ pub struct TcpOptions {
     /// point-to-point messages keep to the first, so their order holds. Every rank must use the
     /// same number (the handshake checks it). `COHORT_CONNECTIONS_PER_PEER`, default 1.
     pub connections_per_peer: u16,
+    /// Connect to a peer on first use rather than to every peer at init (Gloo's lazy init,
+    /// `TORCH_GLOO_LAZY_INIT`): init only waits until every rank has published its address, and
+    /// a job whose ranks talk to few peers (a ring, a pipeline) opens few connections. A peer's
+    /// heartbeats and silence watch start once it is connected. `COHORT_LAZY_INIT` (or
+    /// `TORCH_GLOO_LAZY_INIT`) = 1, default off.
+    pub lazy_connect: bool,
     /// Works the data plane may run at once. Default 64.
     pub max_in_flight: usize,
     /// Flight-recorder entries kept (0 turns it off). `COHORT_TRACE_BUFFER_SIZE`, as
@@ -58,6 +64,7 @@ impl Default for TcpOptions {
             bind_addr: IpAddr::V4(Ipv4Addr::LOCALHOST),
             max_frame: 1 << 30,
             connections_per_peer: 1,
+            lazy_connect: false,
             max_in_flight: 64,
             trace_buffer_size: 2000,
             dump_prefix: None,
@@ -134,6 +141,15 @@ impl TcpOptions {
                     value: n.to_string(),
                     reason: format!("expected 1 to {MAX_CONNECTIONS_PER_PEER}"),
                 })?;
+        }
+        if let Some((name, value)) =
+            ["COHORT_LAZY_INIT", "TORCH_GLOO_LAZY_INIT"].into_iter().find_map(|n| var(n).map(|v| (n, v)))
+        {
+            o.lazy_connect = match value.trim().to_ascii_lowercase().as_str() {
+                "1" | "true" | "yes" | "on" => true,
+                "0" | "false" | "no" | "off" => false,
+                _ => return Err(EnvError { name, value, reason: "expected 1 or 0".into() }),
+            };
         }
         o.dump_prefix = var("COHORT_DUMP_ON_FAILURE").map(PathBuf::from);
         o.bind_addr = resolve_bind_addr(var("COHORT_SOCKET_IFNAME").as_deref())?;

@@ -18,6 +18,7 @@ use cohort_core::work::{GroupId, Rank, SeqNo, WorkId};
 use super::collective::{CollectiveRun, Step};
 use super::link::{Lanes, Outbound};
 use crate::work::{Work, WorkCompleter};
+use tokio::sync::mpsc;
 
 /// What the user handed in with a work, and what it becomes.
 #[derive(Debug)]
@@ -71,8 +72,8 @@ impl Finished {
 pub(crate) struct Effects {
     /// Works to finish.
     pub(crate) finished: Finished,
-    /// The group failed with this message: publish it, dump the recorder.
-    pub(crate) failed: Option<(Rank, String)>,
+    /// The group failed (origin, culprit, message): publish it, dump the recorder.
+    pub(crate) failed: Option<(Rank, Option<Rank>, String)>,
     /// Tear the process down after dumping (error-handling modes 1 and 3).
     pub(crate) tear_down: Option<String>,
     /// The timer may need an earlier wake-up.
@@ -107,6 +108,14 @@ pub(crate) struct DriverState {
     /// departure is handled once those writes finish, so a send that reached them succeeds.
     deferred_departures: std::collections::BTreeSet<Rank>,
     on_written: WrittenHook,
+    /// Lazy connection: connections per peer, when peers are dialed on first use.
+    lazy: Option<u16>,
+    /// Peers to dial (lazy connection), with the queues their new connections will write.
+    dial_requests: Vec<(Rank, Vec<mpsc::UnboundedReceiver<Outbound>>)>,
+    /// Writers of connections this rank only reads from (a peer's lanes to it, when it writes
+    /// to that peer over connections it dialed itself): closed with the links, so that they
+    /// say goodbye too.
+    idle: Vec<mpsc::UnboundedSender<Outbound>>,
 }
 
 struct WrittenHook(OnWritten);
@@ -118,7 +127,12 @@ impl std::fmt::Debug for WrittenHook {
 }
 
 impl DriverState {
-    pub(crate) fn new(group: GroupState, writers: Vec<Option<Lanes>>, on_written: OnWritten) -> Self {
+    pub(crate) fn new(
+        group: GroupState,
+        writers: Vec<Option<Lanes>>,
+        lazy: Option<u16>,
+        on_written: OnWritten,
+    ) -> Self {
         DriverState {
             me: group.rank(),
             gid: group.config().group_id,
@@ -135,7 +149,70 @@ impl DriverState {
             unwritten_to: BTreeMap::new(),
             deferred_departures: std::collections::BTreeSet::new(),
             on_written: WrittenHook(on_written),
+            lazy,
+            dial_requests: Vec::new(),
+            idle: Vec::new(),
         }
+    }
+
+    /// The lanes to `to`; with lazy connection, a first use makes them (frames queue at once)
+    /// and asks for `to` to be dialed. `None` for a closed peer, or a missing one without lazy
+    /// connection.
+    fn lanes_for(&mut self, to: Rank) -> Option<&Lanes> {
+        let missing = self.writers.get(to.index()).is_some_and(Option::is_none);
+        if missing
+            && let Some(k) = self.lazy
+            && to != self.me
+            && !self.closed.contains_key(&to)
+        {
+            let (txs, rxs): (Vec<_>, Vec<_>) = (0..k).map(|_| mpsc::unbounded_channel()).unzip();
+            self.writers[to.index()] = Some(Lanes::new(txs));
+            self.dial_requests.push((to, rxs));
+        }
+        self.writers.get(to.index()).and_then(Option::as_ref)
+    }
+
+    /// Peers to dial now (lazy connection), each with its connections' queues.
+    pub(crate) fn take_dial_requests(&mut self) -> Vec<(Rank, Vec<mpsc::UnboundedReceiver<Outbound>>)> {
+        std::mem::take(&mut self.dial_requests)
+    }
+
+    /// A full set of connections from `peer` was accepted (lazy connection). If this rank has no
+    /// lanes to `peer` yet, they become its lanes (the queues are returned); otherwise this
+    /// rank already writes over connections it dialed and only reads from these (`None`).
+    /// Either way `peer` now counts as connected.
+    pub(crate) fn accept_lanes(
+        &mut self,
+        now: Instant,
+        peer: Rank,
+        n: usize,
+    ) -> Option<Vec<mpsc::UnboundedReceiver<Outbound>>> {
+        if self.closed.contains_key(&peer) || peer == self.me {
+            return None;
+        }
+        self.group.handle_peer_connected(now, peer);
+        let slot = self.writers.get_mut(peer.index())?;
+        if slot.is_some() {
+            return None;
+        }
+        let (txs, rxs): (Vec<_>, Vec<_>) = (0..n).map(|_| mpsc::unbounded_channel()).unzip();
+        *slot = Some(Lanes::new(txs));
+        Some(rxs)
+    }
+
+    /// The queue of a writer with nothing to write but its goodbye.
+    pub(crate) fn idle_writer(&mut self) -> mpsc::UnboundedReceiver<Outbound> {
+        let (tx, rx) = mpsc::unbounded_channel();
+        if !self.group.is_aborted() && self.group.failure().is_none() {
+            self.idle.push(tx);
+        }
+        rx
+    }
+
+    /// `peer` was dialed and is connected (lazy connection).
+    pub(crate) fn peer_connected(&mut self, now: Instant, peer: Rank, effects: &mut Effects) {
+        self.group.handle_peer_connected(now, peer);
+        effects.rearm_timer = true;
     }
 
     /// A user submit.
@@ -305,8 +382,8 @@ impl DriverState {
 
     /// Queue a frame of work `id` for `to`; false if the link is gone.
     fn send_frame(&mut self, id: WorkId, to: Rank, header: FrameHeader, payload: Bytes) -> bool {
-        let Some(lanes) = self.writers.get(to.index()).and_then(Option::as_ref) else { return false };
         let notify = self.on_written.0.clone();
+        let Some(lanes) = self.lanes_for(to) else { return false };
         let written: super::link::Written = Box::new(move |outcome| notify(id, to, outcome));
         if !lanes.send(Outbound { header, payload, written: Some(written) }) {
             return false;
@@ -319,8 +396,15 @@ impl DriverState {
     }
 
     /// A failure another rank published (through the store).
-    pub(crate) fn handle_remote_error(&mut self, now: Instant, origin: Rank, message: String, effects: &mut Effects) {
-        self.group.handle_remote_error(now, origin, None, message);
+    pub(crate) fn handle_remote_error(
+        &mut self,
+        now: Instant,
+        origin: Rank,
+        culprit: Option<Rank>,
+        message: String,
+        effects: &mut Effects,
+    ) {
+        self.group.handle_remote_error(now, origin, culprit, message);
         self.drain(now, effects);
     }
 
@@ -342,6 +426,7 @@ impl DriverState {
         for w in &mut self.writers {
             *w = None;
         }
+        self.idle.clear();
     }
 
     fn handle_data(&mut self, now: Instant, from: Rank, seq: SeqNo, step: u32, tag: u32, payload: Vec<u8>) {
@@ -586,11 +671,11 @@ impl DriverState {
             }
             Event::GroupFailed(failure) => {
                 tracing::error!(origin = %failure.origin, culprit = ?failure.culprit, "process group failed: {}", failure.message);
-                effects.failed = Some((failure.origin, failure.message));
+                effects.failed = Some((failure.origin, failure.culprit, failure.message));
             }
             Event::GroupAborted { reason } => {
                 tracing::warn!(%reason, "process group aborted");
-                effects.failed.get_or_insert((self.me, reason));
+                effects.failed.get_or_insert((self.me, None, reason));
             }
             Event::TearDown { cause } => effects.tear_down = Some(cause),
             _ => {}
