@@ -581,6 +581,13 @@ pub enum ControlMsg {
         /// Why.
         reason: String,
     },
+    /// My collective `seq` has run half its timeout and still waits for these ranks' parts.
+    Stuck {
+        /// The collective.
+        seq: SeqNo,
+        /// The ranks it waits for.
+        waiting_on: Vec<Rank>,
+    },
 }
 
 /// A control message for one peer.
@@ -700,6 +707,8 @@ pub struct GroupState {
     departed: std::collections::BTreeSet<Rank>,
     /// Peers connected so far ([`GroupConfig::lazy_peers`]; every peer otherwise).
     connected: std::collections::BTreeSet<Rank>,
+    /// Each peer's latest stuck note: the collective it was stuck in and whom it waited for.
+    peer_stuck: BTreeMap<Rank, (SeqNo, Vec<Rank>)>,
     health: Health,
     transmits: VecDeque<Transmit>,
     launches: VecDeque<Launch>,
@@ -730,6 +739,7 @@ impl GroupState {
             lost: BTreeMap::new(),
             departed: std::collections::BTreeSet::new(),
             connected: std::collections::BTreeSet::new(),
+            peer_stuck: BTreeMap::new(),
             health: Health::Healthy,
             transmits: VecDeque::new(),
             launches: VecDeque::new(),
@@ -832,6 +842,10 @@ impl GroupState {
         let timeout = collective.timeout.unwrap_or(self.cfg.timeout);
         let record = self.record(now, &collective, seq, timeout);
         self.timers.set(TimerKind::WorkDeadline(id), now.saturating_add(timeout));
+        if !is_p2p && self.cfg.world_size > 2 {
+            // With two ranks the rank waited for is the only other one: no chain to follow.
+            self.timers.set(TimerKind::WorkStuck(id), now.saturating_add(timeout / 2));
+        }
         self.works.insert(
             id,
             WorkEntry {
@@ -918,6 +932,13 @@ impl GroupState {
             }
             ControlMsg::Abort { reason } => {
                 self.abort(t, format!("rank {from} aborted the group: {reason}"), false);
+            }
+            ControlMsg::Stuck { seq, mut waiting_on } => {
+                if from != self.rank && from.0 < self.cfg.world_size {
+                    waiting_on.retain(|r| r.0 < self.cfg.world_size);
+                    waiting_on.truncate(self.cfg.world_size as usize);
+                    self.peer_stuck.insert(from, (seq, waiting_on));
+                }
             }
         }
     }
@@ -1020,6 +1041,7 @@ impl GroupState {
                     );
                 }
                 TimerKind::WorkDeadline(id) => self.work_timed_out(now, id),
+                TimerKind::WorkStuck(id) => self.work_stuck(id),
             }
         }
         self.release(now);
@@ -1121,6 +1143,7 @@ impl GroupState {
         }
         w.result = Some(result);
         self.timers.cancel(TimerKind::WorkDeadline(id));
+        self.timers.cancel(TimerKind::WorkStuck(id));
         if w.launched {
             self.running -= 1;
         }
@@ -1151,11 +1174,49 @@ impl GroupState {
         self.launch_ready();
     }
 
+    /// A collective ran half its timeout: tell every connected peer whom it still waits for.
+    fn work_stuck(&mut self, id: WorkId) {
+        let Some(w) = self.works.get(&id) else { return };
+        let Some(waiting_on) = w.waiting_on.clone().filter(|r| !r.is_empty()) else { return };
+        if w.result.is_some() || w.is_p2p || !matches!(self.health, Health::Healthy) {
+            return;
+        }
+        let seq = w.seq;
+        for to in self.peers() {
+            if self.connected.contains(&to) && !self.lost.contains_key(&to) {
+                self.transmits
+                    .push_back(Transmit { to, msg: ControlMsg::Stuck { seq, waiting_on: waiting_on.clone() } });
+            }
+        }
+    }
+
+    /// Follow peers' stuck notes from `first` (the one rank collective `seq` waits for): each
+    /// rank that said it was stuck in `seq`, or in an earlier collective (it cannot reach `seq`
+    /// before that one ends), waiting for one rank leads to that rank.
+    fn stuck_chain(&self, seq: SeqNo, first: Rank) -> Vec<Rank> {
+        let mut chain = Vec::new();
+        let mut at = first;
+        while let Some((s, on)) = self.peer_stuck.get(&at) {
+            match on.as_slice() {
+                [next] if *s <= seq && *next != self.rank && *next != first && !chain.contains(next) => {
+                    chain.push(*next);
+                    at = *next;
+                }
+                _ => break,
+            }
+        }
+        chain
+    }
+
     fn work_timed_out(&mut self, now: Duration, id: WorkId) {
         let Some(w) = self.works.get(&id) else { return };
         if w.result.is_some() {
             return;
         }
+        let chain = match w.waiting_on.as_deref() {
+            Some([one]) if !w.is_p2p => self.stuck_chain(w.seq, *one),
+            _ => Vec::new(),
+        };
         let cx = TimeoutContext {
             op: w.collective.op,
             seq: w.seq,
@@ -1165,9 +1226,10 @@ impl GroupState {
             elapsed: now.saturating_sub(w.lifecycle.enqueued_at()),
             started: w.lifecycle.state() == WorkState::Started,
             waiting_on: w.waiting_on.clone(),
+            chain,
         };
         let culprit = match cx.waiting_on.as_deref() {
-            Some([one]) => Some(*one),
+            Some([one]) => Some(cx.chain.last().copied().unwrap_or(*one)),
             _ => None,
         };
         let message = timeout_message(self.rank, &cx);
@@ -1342,6 +1404,51 @@ mod tests {
                 _ => None,
             })
             .collect()
+    }
+
+    #[test]
+    fn a_timeout_follows_stuck_notes_to_the_rank_that_never_came() {
+        let (mut g, t0) = group(4, 0, ErrorHandling::CleanUpOnly);
+        let s = |ms| t0 + Duration::from_millis(ms);
+        let a = g.submit(t0, allreduce(4)).unwrap();
+        while g.poll_launch().is_some() {}
+        g.handle_started(t0, a);
+        g.handle_waiting_on(t0, a, vec![Rank(1)]);
+        // Halfway (5 s of 10): rank 0 tells every peer whom it waits for.
+        g.handle_timeout(s(5_000));
+        let notes: Vec<Transmit> = std::iter::from_fn(|| g.poll_transmit()).collect();
+        assert_eq!(notes.len(), 3);
+        assert!(notes.iter().all(|t| t.msg == ControlMsg::Stuck { seq: SeqNo(1), waiting_on: vec![Rank(1)] }));
+        // Rank 1 waits for rank 2, rank 2 (still in an earlier collective) for rank 3; rank 3
+        // says nothing about this collective or an earlier one.
+        g.handle_message(s(5_001), Rank(1), ControlMsg::Stuck { seq: SeqNo(1), waiting_on: vec![Rank(2)] });
+        g.handle_message(s(5_002), Rank(2), ControlMsg::Stuck { seq: SeqNo(0), waiting_on: vec![Rank(3)] });
+        g.handle_message(s(5_003), Rank(3), ControlMsg::Stuck { seq: SeqNo(9), waiting_on: vec![Rank(0)] });
+        g.handle_timeout(s(10_000));
+        let events = drain_events(&mut g);
+        let failure = events
+            .iter()
+            .find_map(|e| match e {
+                Event::GroupFailed(f) => Some(f.clone()),
+                _ => None,
+            })
+            .expect("the group fails");
+        assert_eq!(failure.culprit, Some(Rank(3)));
+        assert!(failure.message.contains("rank 1 → rank 2 → rank 3: each said"), "{}", failure.message);
+
+        // Without notes, the rank waited for is blamed, as before.
+        let (mut g, t0) = group(4, 0, ErrorHandling::CleanUpOnly);
+        let a = g.submit(t0, allreduce(4)).unwrap();
+        while g.poll_launch().is_some() {}
+        g.handle_started(t0, a);
+        g.handle_waiting_on(t0, a, vec![Rank(1)]);
+        g.handle_message(t0, Rank(1), ControlMsg::Stuck { seq: SeqNo(1), waiting_on: vec![Rank(0)] });
+        g.handle_timeout(t0 + Duration::from_secs(10));
+        let culprit = drain_events(&mut g).iter().find_map(|e| match e {
+            Event::GroupFailed(f) => Some(f.culprit),
+            _ => None,
+        });
+        assert_eq!(culprit, Some(Some(Rank(1))), "a note pointing back at this rank ends the chain");
     }
 
     #[test]

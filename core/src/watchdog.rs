@@ -22,6 +22,10 @@ pub enum TimerKind {
     PeerSilence(Rank),
     /// A work's deadline (enqueue time + its timeout).
     WorkDeadline(WorkId),
+    /// Halfway to a collective's deadline: if it is still waiting, tell the peers whom it
+    /// waits for, so that a later timeout anywhere can follow the chain to the rank that is
+    /// not in the collective at all.
+    WorkStuck(WorkId),
 }
 
 /// Deadlines keyed by kind; at most one deadline per kind.
@@ -103,6 +107,10 @@ pub struct TimeoutContext {
     pub started: bool,
     /// The ranks whose part had not arrived, when the data plane told us.
     pub waiting_on: Option<Vec<Rank>>,
+    /// Where the waiting led, from peers' stuck notes: `[b, c]` when the rank this one waits
+    /// for (`a`) said it was itself stuck (in this collective or an earlier one) waiting for
+    /// `b`, and `b` for `c`. The last rank of the chain sent no such note.
+    pub chain: Vec<Rank>,
 }
 
 /// The message of a watchdog timeout. It carries what c10d's does ("Watchdog caught collective
@@ -125,6 +133,14 @@ pub fn timeout_message(this_rank: Rank, cx: &TimeoutContext) -> String {
         Some(ranks) if !ranks.is_empty() => {
             let list: Vec<String> = ranks.iter().map(Rank::to_string).collect();
             msg.push_str(&format!("; still waiting for rank(s) [{}]", list.join(", ")));
+            if let ([waited], Some(last)) = (ranks.as_slice(), cx.chain.last()) {
+                let mut hops = vec![format!("rank {waited}")];
+                hops.extend(cx.chain.iter().map(|r| format!("rank {r}")));
+                msg.push_str(&format!(
+                    "; {}: each said it was stuck waiting for the next (in this collective or an earlier one) and rank {last} never did: rank {last} is the likely culprit",
+                    hops.join(" → "),
+                ));
+            }
         }
         _ => {}
     }
@@ -203,10 +219,16 @@ mod tests {
             elapsed: MS(503),
             started: true,
             waiting_on: Some(vec![Rank(2), Rank(3)]),
+            chain: Vec::new(),
         };
         assert_eq!(
             timeout_message(Rank(0), &cx),
             "rank 0: watchdog caught collective operation timeout: all_reduce (seq 7, numel in 1024, numel out 1024, timeout 500 ms) ran for 503 ms before timing out; still waiting for rank(s) [2, 3]"
+        );
+        let cx = TimeoutContext { waiting_on: Some(vec![Rank(1)]), chain: vec![Rank(2), Rank(3)], ..cx };
+        assert_eq!(
+            timeout_message(Rank(0), &cx),
+            "rank 0: watchdog caught collective operation timeout: all_reduce (seq 7, numel in 1024, numel out 1024, timeout 500 ms) ran for 503 ms before timing out; still waiting for rank(s) [1]; rank 1 → rank 2 → rank 3: each said it was stuck waiting for the next (in this collective or an earlier one) and rank 3 never did: rank 3 is the likely culprit"
         );
     }
 

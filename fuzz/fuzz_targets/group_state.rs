@@ -7,7 +7,7 @@ use std::time::{Duration, Instant};
 
 use arbitrary::Arbitrary;
 use cohort_core::group::{Collective, Completion, ControlMsg, Event, GroupConfig, GroupState, HeartbeatConfig, TensorSpec};
-use cohort_core::{DType, ErrorHandling, OpType, Rank, WorkId, WorkState};
+use cohort_core::{DType, ErrorHandling, OpType, Rank, SeqNo, WorkId, WorkState};
 use libfuzzer_sys::fuzz_target;
 
 #[derive(Debug, Arbitrary)]
@@ -24,6 +24,7 @@ enum Input {
     PeerActivity(u8),
     RemoteError(u8, Option<u8>),
     RemoteAbort(u8),
+    RemoteStuck(u8, u8, Vec<u8>),
     Abort,
     Advance(u16),
 }
@@ -106,6 +107,10 @@ fuzz_target!(|case: Case| {
                 g.handle_message(now, rank(r), ControlMsg::Error { culprit: c.map(rank), message: "remote".into() })
             }
             Input::RemoteAbort(r) => g.handle_message(now, rank(r), ControlMsg::Abort { reason: "remote".into() }),
+            Input::RemoteStuck(r, seq, on) => {
+                let waiting_on = on.into_iter().map(|o| Rank(u32::from(o))).collect();
+                g.handle_message(now, rank(r), ControlMsg::Stuck { seq: SeqNo(u64::from(seq)), waiting_on })
+            }
             Input::Abort => g.handle_abort(now, "fuzz".into()),
             Input::Advance(ms) => {
                 now += Duration::from_millis(u64::from(ms));

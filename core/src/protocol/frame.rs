@@ -37,12 +37,22 @@ pub enum FrameKind {
     Heartbeat,
     /// Code 2. A send/recv payload; `tag` is meaningful.
     P2p,
+    /// Code 7. The sender's collective `seq` has run half its timeout; the payload lists the
+    /// ranks it still waits for, as little-endian u32s.
+    Stuck,
 }
 
 impl FrameKind {
     /// Every kind, in declaration order.
-    pub const ALL: [FrameKind; 6] =
-        [FrameKind::Abort, FrameKind::Data, FrameKind::Error, FrameKind::Goodbye, FrameKind::Heartbeat, FrameKind::P2p];
+    pub const ALL: [FrameKind; 7] = [
+        FrameKind::Abort,
+        FrameKind::Data,
+        FrameKind::Error,
+        FrameKind::Goodbye,
+        FrameKind::Heartbeat,
+        FrameKind::P2p,
+        FrameKind::Stuck,
+    ];
 
     /// The kind's code on the wire.
     pub const fn code(self) -> u8 {
@@ -53,6 +63,7 @@ impl FrameKind {
             FrameKind::Error => 4,
             FrameKind::Abort => 5,
             FrameKind::Goodbye => 6,
+            FrameKind::Stuck => 7,
         }
     }
 
@@ -65,6 +76,7 @@ impl FrameKind {
             4 => Some(FrameKind::Error),
             5 => Some(FrameKind::Abort),
             6 => Some(FrameKind::Goodbye),
+            7 => Some(FrameKind::Stuck),
             _ => None,
         }
     }
@@ -89,6 +101,7 @@ impl FrameKind {
             FrameKind::Goodbye => "goodbye",
             FrameKind::Heartbeat => "heartbeat",
             FrameKind::P2p => "p2p",
+            FrameKind::Stuck => "stuck",
         }
     }
 }

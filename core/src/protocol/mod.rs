@@ -16,7 +16,7 @@
 //! |---:|---:|---|---|
 //! | 0 | 4 | magic | [`FRAME_MAGIC`], the bytes `CoHF` |
 //! | 4 | 2 | version | [`PROTOCOL_VERSION`] |
-//! | 6 | 1 | kind | [`FrameKind`]: 1 data, 2 p2p, 3 heartbeat, 4 error, 5 abort, 6 goodbye |
+//! | 6 | 1 | kind | [`FrameKind`]: 1 data, 2 p2p, 3 heartbeat, 4 error, 5 abort, 6 goodbye, 7 stuck |
 //! | 7 | 1 | flags | [`FrameHeader::flags`]: no bits defined in version 1; senders write 0 |
 //! | 8 | 4 | group | [`GroupId`](crate::work::GroupId) |
 //! | 12 | 4 | source | [`Rank`](crate::work::Rank) of the sender |

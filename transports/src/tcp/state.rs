@@ -270,6 +270,16 @@ impl DriverState {
                 let reason = decode_message(FrameKind::Abort, &payload).unwrap_or("(reason was not UTF-8)").to_owned();
                 self.group.handle_message(now, from, ControlMsg::Abort { reason });
             }
+            FrameKind::Stuck => {
+                // A list of u32 ranks; a malformed one is ignored (it only refines diagnosis).
+                if payload.len().is_multiple_of(4) && payload.len() / 4 <= self.writers.len() {
+                    let waiting_on =
+                        payload.chunks_exact(4).map(|c| Rank(u32::from_le_bytes([c[0], c[1], c[2], c[3]]))).collect();
+                    self.group.handle_message(now, from, ControlMsg::Stuck { seq: header.seq, waiting_on });
+                } else {
+                    tracing::warn!(%from, len = payload.len(), "ignoring a malformed stuck note");
+                }
+            }
             FrameKind::Goodbye => {}
         }
         self.drain(now, effects);
@@ -574,6 +584,12 @@ impl DriverState {
                         let mut h = FrameHeader::data(self.gid, SeqNo(0), 0, self.me, text.len() as u64);
                         h.kind = FrameKind::Abort;
                         (h, text)
+                    }
+                    ControlMsg::Stuck { seq, waiting_on } => {
+                        let list: Vec<u8> = waiting_on.iter().flat_map(|r| r.0.to_le_bytes()).collect();
+                        let mut h = FrameHeader::data(self.gid, seq, 0, self.me, list.len() as u64);
+                        h.kind = FrameKind::Stuck;
+                        (h, Bytes::from(list))
                     }
                 };
                 send(&self.writers, t.to, Outbound { header, payload, written: None });
