@@ -1406,14 +1406,20 @@ mod tests {
             .collect()
     }
 
-    #[test]
-    fn a_timeout_follows_stuck_notes_to_the_rank_that_never_came() {
+    /// Rank 0 of 4, in an allreduce started at t0 that waits for rank 1.
+    fn waiting_on_rank_1() -> (GroupState, Instant) {
         let (mut g, t0) = group(4, 0, ErrorHandling::CleanUpOnly);
-        let s = |ms| t0 + Duration::from_millis(ms);
         let a = g.submit(t0, allreduce(4)).unwrap();
         while g.poll_launch().is_some() {}
         g.handle_started(t0, a);
         g.handle_waiting_on(t0, a, vec![Rank(1)]);
+        (g, t0)
+    }
+
+    #[test]
+    fn a_timeout_follows_stuck_notes_to_the_rank_that_never_came() {
+        let (mut g, t0) = waiting_on_rank_1();
+        let s = |ms| t0 + Duration::from_millis(ms);
         // Halfway (5 s of 10): rank 0 tells every peer whom it waits for.
         g.handle_timeout(s(5_000));
         let notes: Vec<Transmit> = std::iter::from_fn(|| g.poll_transmit()).collect();
@@ -1437,11 +1443,7 @@ mod tests {
         assert!(failure.message.contains("rank 1 → rank 2 → rank 3: each said"), "{}", failure.message);
 
         // Without notes, the rank waited for is blamed, as before.
-        let (mut g, t0) = group(4, 0, ErrorHandling::CleanUpOnly);
-        let a = g.submit(t0, allreduce(4)).unwrap();
-        while g.poll_launch().is_some() {}
-        g.handle_started(t0, a);
-        g.handle_waiting_on(t0, a, vec![Rank(1)]);
+        let (mut g, t0) = waiting_on_rank_1();
         g.handle_message(t0, Rank(1), ControlMsg::Stuck { seq: SeqNo(1), waiting_on: vec![Rank(0)] });
         g.handle_timeout(t0 + Duration::from_secs(10));
         let culprit = drain_events(&mut g).iter().find_map(|e| match e {
@@ -1589,14 +1591,20 @@ mod tests {
         assert_eq!(relayed, vec![Rank(0), Rank(2)]);
     }
 
-    #[test]
-    fn heartbeats_are_sent_and_silence_loses_the_peer() {
+    /// Rank 0 of 3 with heartbeats every 100 ms, a peer lost after 350 ms of silence.
+    fn heartbeating(lazy_peers: bool) -> (GroupState, Instant) {
         let mut cfg = GroupConfig::new(3);
+        cfg.lazy_peers = lazy_peers;
         cfg.heartbeat =
             Some(HeartbeatConfig { interval: Duration::from_millis(100), dead_after: Duration::from_millis(350) });
         #[allow(clippy::disallowed_methods)] // the test's one epoch
         let t0 = Instant::now();
-        let mut g = GroupState::new(cfg, Rank(0), t0);
+        (GroupState::new(cfg, Rank(0), t0), t0)
+    }
+
+    #[test]
+    fn heartbeats_are_sent_and_silence_loses_the_peer() {
+        let (mut g, t0) = heartbeating(false);
         let ms = |m| t0 + Duration::from_millis(m);
         g.handle_timeout(ms(0));
         assert_eq!(std::iter::from_fn(|| g.poll_transmit()).count(), 2);
@@ -1617,13 +1625,7 @@ mod tests {
 
     #[test]
     fn lazy_peers_get_heartbeats_and_silence_watch_only_once_connected() {
-        let mut cfg = GroupConfig::new(3);
-        cfg.lazy_peers = true;
-        cfg.heartbeat =
-            Some(HeartbeatConfig { interval: Duration::from_millis(100), dead_after: Duration::from_millis(350) });
-        #[allow(clippy::disallowed_methods)] // the test's one epoch
-        let t0 = Instant::now();
-        let mut g = GroupState::new(cfg, Rank(0), t0);
+        let (mut g, t0) = heartbeating(true);
         let ms = |m| t0 + Duration::from_millis(m);
         g.handle_timeout(ms(0));
         assert_eq!(g.poll_transmit(), None, "nobody is connected yet");

@@ -2,32 +2,16 @@
 //! per-tensor allreduce, compression hooks stay within tolerance, PowerSGD converges, errors
 //! name the parameter or the rank.
 
-use std::sync::Arc;
+mod common;
+
 use std::time::Duration;
 
 use cohort_core::{DType, ReduceOp, Tensor};
+use cohort_transports::ProcessGroup;
 use cohort_transports::ddp::{
     AllreduceHook, BucketCaps, CommHook, CompressHook, DdpError, PowerSgdConfig, PowerSgdHook, Reducer,
     broadcast_coalesced,
 };
-use cohort_transports::{MemoryStore, ProcessGroup, Store, TcpOptions, TokioNet};
-
-async fn group(world: u32) -> Vec<ProcessGroup> {
-    let store: Arc<dyn Store> = Arc::new(MemoryStore::new());
-    let opts =
-        TcpOptions { init_timeout: Duration::from_secs(10), timeout: Duration::from_secs(10), ..TcpOptions::default() };
-    let joins: Vec<_> = (0..world)
-        .map(|r| {
-            let (store, opts) = (store.clone(), opts.clone());
-            tokio::spawn(async move { ProcessGroup::connect(TokioNet, store, r, world, opts).await })
-        })
-        .collect();
-    let mut pgs = Vec::new();
-    for j in joins {
-        pgs.push(j.await.unwrap().expect("connect"));
-    }
-    pgs
-}
 
 /// A model's parameter shapes: matrices, vectors, a scalar-ish bias, an odd size.
 fn shapes() -> Vec<Vec<usize>> {
@@ -71,7 +55,7 @@ async fn run_reducer(pgs: &[ProcessGroup], make_hook: impl Fn() -> Box<dyn CommH
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_average_hook_equals_a_per_tensor_allreduce_exactly() {
-    let pgs = group(3).await;
+    let pgs = common::group(3, common::opts(10)).await;
     let got = run_reducer(&pgs, || Box::new(AllreduceHook), 2).await;
     for (p, shape) in shapes().iter().enumerate() {
         // The per-tensor reference, through the same group.
@@ -86,7 +70,7 @@ async fn the_average_hook_equals_a_per_tensor_allreduce_exactly() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn compression_hooks_stay_within_tolerance() {
-    let pgs = group(2).await;
+    let pgs = common::group(2, common::opts(10)).await;
     for (name, hook, tol) in [("fp16", CompressHook::fp16(), 1e-3f32), ("bf16", CompressHook::bf16(), 1e-2)] {
         let got = run_reducer(&pgs, || Box::new(hook), 1).await;
         for (p, shape) in shapes().iter().enumerate() {
@@ -110,7 +94,7 @@ async fn compression_hooks_stay_within_tolerance() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn powersgd_converges_to_the_exact_average_on_a_low_rank_gradient() {
-    let pgs = group(2).await;
+    let pgs = common::group(2, common::opts(10)).await;
     let (n, m) = (48usize, 40usize);
     // Rank r's gradient: u₁ a_rᵀ + u₂ b_rᵀ, rank 2 with the same column space on every rank;
     // the average is rank 2 too, which a rank-2 approximation can reach exactly.
@@ -169,7 +153,7 @@ async fn powersgd_converges_to_the_exact_average_on_a_low_rank_gradient() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn broadcast_coalesced_equals_broadcasting_each_tensor() {
-    let pgs = group(3).await;
+    let pgs = common::group(3, common::opts(10)).await;
     let tensors = |r: u32| {
         vec![
             Tensor::from_slice(&[r as f32; 100]),
@@ -194,7 +178,7 @@ async fn broadcast_coalesced_equals_broadcasting_each_tensor() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn misuse_names_the_parameter() {
-    let pgs = group(1).await;
+    let pgs = common::group(1, common::opts(10)).await;
     let mut reducer = Reducer::new(pgs[0].clone(), shapes(), DType::F32, Box::new(AllreduceHook))
         .unwrap()
         .with_names((0..shapes().len()).map(|p| format!("layer{p}.weight")).collect());

@@ -1,32 +1,15 @@
 //! TCP collectives with ranks as tasks of one process on loopback.
 
-use std::sync::Arc;
+mod common;
+
 use std::time::Duration;
 
 use cohort_core::{ReduceOp, Tensor};
-use cohort_transports::{MemoryStore, ProcessGroup, Store, TcpOptions, TokioNet};
-
-async fn group(world: u32) -> Vec<ProcessGroup> {
-    let store: Arc<dyn Store> = Arc::new(MemoryStore::new());
-    let opts =
-        TcpOptions { init_timeout: Duration::from_secs(5), timeout: Duration::from_secs(5), ..TcpOptions::default() };
-    let joins: Vec<_> = (0..world)
-        .map(|r| {
-            let (store, opts) = (store.clone(), opts.clone());
-            tokio::spawn(async move { ProcessGroup::connect(TokioNet, store, r, world, opts).await })
-        })
-        .collect();
-    let mut pgs = Vec::new();
-    for j in joins {
-        pgs.push(j.await.unwrap().expect("connect"));
-    }
-    pgs
-}
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn allreduce_sums_across_ranks() {
     for world in [2u32, 3] {
-        let pgs = group(world).await;
+        let pgs = common::group(world, common::opts(5)).await;
         let works: Vec<_> = pgs
             .iter()
             .map(|pg| pg.allreduce(vec![Tensor::from_slice(&[pg.rank().0 as f32 + 1.0; 5])], ReduceOp::Sum).unwrap())
@@ -42,7 +25,7 @@ async fn allreduce_sums_across_ranks() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn allgather_coalesced_returns_every_ranks_tensors_rank_major() {
     let world = 3u32;
-    let pgs = group(world).await;
+    let pgs = common::group(world, common::opts(5)).await;
     let inputs = |r: u32| {
         let r = r as i32;
         vec![Tensor::from_slice(&[r, r * 10]), Tensor::from_slice_shaped(&[r; 6], &[2, 3]).unwrap()]
@@ -72,7 +55,7 @@ async fn allgather_coalesced_returns_every_ranks_tensors_rank_major() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn allreduce_sparse_sums_duplicate_indices_across_ranks() {
     use cohort_transports::tcp::SparseTensor;
-    let pgs = group(3).await;
+    let pgs = common::group(3, common::opts(5)).await;
     // Shape [4, 2], one sparse dim. Rank 0 holds rows 1 and 3, rank 1 row 1, rank 2 nothing.
     let part = |r: u32| match r {
         0 => SparseTensor::new(

@@ -2,11 +2,12 @@
 //! option): large data frames spread over them, control and point-to-point frames keep their
 //! order on the first, and a mismatch between ranks fails init on both sides at once.
 
-use std::sync::Arc;
+mod common;
+
 use std::time::{Duration, Instant};
 
 use cohort_core::{DType, ReduceOp, Tensor};
-use cohort_transports::{InitError, MemoryStore, ProcessGroup, Store, TcpOptions, TokioNet};
+use cohort_transports::TcpOptions;
 
 fn opts(connections_per_peer: u16) -> TcpOptions {
     TcpOptions {
@@ -17,28 +18,10 @@ fn opts(connections_per_peer: u16) -> TcpOptions {
     }
 }
 
-async fn connect_all(per_rank: Vec<TcpOptions>) -> Vec<Result<ProcessGroup, InitError>> {
-    let store: Arc<dyn Store> = Arc::new(MemoryStore::new());
-    let world = per_rank.len() as u32;
-    let joins: Vec<_> = per_rank
-        .into_iter()
-        .enumerate()
-        .map(|(r, o)| {
-            let store = store.clone();
-            tokio::spawn(async move { ProcessGroup::connect(TokioNet, store, r as u32, world, o).await })
-        })
-        .collect();
-    let mut out = Vec::new();
-    for j in joins {
-        out.push(j.await.unwrap());
-    }
-    out
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn collectives_and_p2p_are_right_over_three_connections_per_peer() {
     let world = 3u32;
-    let pgs: Vec<_> = connect_all(vec![opts(3); 3]).await.into_iter().map(|r| r.expect("connect")).collect();
+    let pgs: Vec<_> = common::connect_each(vec![opts(3); 3]).await.into_iter().map(|r| r.expect("connect")).collect();
     // 4 MiB per rank: ring chunks far above the striping threshold.
     let n = 1 << 20;
     let input = |r: u32| Tensor::from_slice(&(0..n).map(|i| (i % 1000) as f32 + r as f32).collect::<Vec<_>>());
@@ -91,7 +74,8 @@ async fn collectives_and_p2p_are_right_over_three_connections_per_peer() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_rank_that_leaves_is_named_once_all_its_connections_close() {
-    let mut pgs: Vec<_> = connect_all(vec![opts(2); 3]).await.into_iter().map(|r| r.expect("connect")).collect();
+    let mut pgs: Vec<_> =
+        common::connect_each(vec![opts(2); 3]).await.into_iter().map(|r| r.expect("connect")).collect();
     // The survivors' allreduce is under way when rank 2 leaves cleanly: a goodbye on each of
     // its two connections, one departure.
     let works: Vec<_> = pgs[..2]
@@ -112,12 +96,12 @@ async fn a_rank_that_leaves_is_named_once_all_its_connections_close() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn ranks_that_disagree_on_connections_per_peer_fail_init_at_once_naming_it() {
     let started = Instant::now();
-    let results = connect_all(vec![opts(1), opts(2)]).await;
+    let results = common::connect_each(vec![opts(1), opts(2)]).await;
     for (r, result) in results.into_iter().enumerate() {
         let err = result.expect_err("a mismatch must not connect").to_string();
         assert!(err.contains("connection(s) per peer"), "rank {r}: {err}");
     }
     assert!(started.elapsed() < Duration::from_secs(5), "failed only after {:?}", started.elapsed());
-    let err = connect_all(vec![opts(0)]).await.pop().unwrap().unwrap_err().to_string();
+    let err = common::connect_each(vec![opts(0)]).await.pop().unwrap().unwrap_err().to_string();
     assert!(err.contains("connections_per_peer is 0, expected 1 to 16"), "{err}");
 }

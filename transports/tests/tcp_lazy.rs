@@ -2,11 +2,13 @@
 //! on first use, and whichever side (or both) connects first, what each rank sends arrives in
 //! order.
 
+mod common;
+
 use std::sync::Arc;
 use std::time::Duration;
 
 use cohort_core::{DType, Rank, ReduceOp, Tensor};
-use cohort_transports::{InitError, MemoryStore, ProcessGroup, Store, TcpOptions, TokioNet};
+use cohort_transports::{MemoryStore, ProcessGroup, Store, TcpOptions, TokioNet};
 
 fn lazy(connections_per_peer: u16) -> TcpOptions {
     TcpOptions {
@@ -18,21 +20,6 @@ fn lazy(connections_per_peer: u16) -> TcpOptions {
     }
 }
 
-async fn connect_all(world: u32, opts: TcpOptions) -> Vec<Result<ProcessGroup, InitError>> {
-    let store: Arc<dyn Store> = Arc::new(MemoryStore::new());
-    let joins: Vec<_> = (0..world)
-        .map(|r| {
-            let (store, opts) = (store.clone(), opts.clone());
-            tokio::spawn(async move { ProcessGroup::connect(TokioNet, store, r, world, opts).await })
-        })
-        .collect();
-    let mut out = Vec::new();
-    for j in joins {
-        out.push(j.await.unwrap());
-    }
-    out
-}
-
 fn ranks(v: &[u32]) -> Vec<Rank> {
     v.iter().copied().map(Rank).collect()
 }
@@ -40,7 +27,7 @@ fn ranks(v: &[u32]) -> Vec<Rank> {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn peers_connect_on_first_use_only() {
     for k in [1u16, 2] {
-        let pgs: Vec<_> = connect_all(4, lazy(k)).await.into_iter().map(|r| r.expect("init")).collect();
+        let pgs: Vec<_> = common::connect_each(vec![lazy(k); 4]).await.into_iter().map(|r| r.expect("init")).collect();
         assert!(pgs.iter().all(|pg| pg.connected_peers().is_empty()), "init connects nobody");
         // A ring of sends: each rank talks to its two neighbours only.
         let recvs: Vec<_> = pgs
@@ -90,7 +77,8 @@ async fn peers_connect_on_first_use_only() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn both_sides_connecting_at_once_keep_every_message_in_order() {
     for round in 0..5 {
-        let pgs: Vec<_> = connect_all(2, lazy(1 + round % 2)).await.into_iter().map(|r| r.expect("init")).collect();
+        let pgs: Vec<_> =
+            common::connect_each(vec![lazy(1 + round % 2); 2]).await.into_iter().map(|r| r.expect("init")).collect();
         // Both ranks send first, at once: each dials the other.
         let mut works = Vec::new();
         for pg in &pgs {
@@ -134,7 +122,7 @@ async fn lazy_init_still_names_the_missing_rank_and_a_dead_peer_is_named_at_firs
         assert!(err.contains("2/3 ranks joined; missing: [2]"), "{err}");
     }
     // Rank 2 leaves before anyone talked to it; rank 0's first send to it fails naming it.
-    let mut pgs: Vec<_> = connect_all(3, lazy(1)).await.into_iter().map(|r| r.expect("init")).collect();
+    let mut pgs: Vec<_> = common::connect_each(vec![lazy(1); 3]).await.into_iter().map(|r| r.expect("init")).collect();
     let gone = pgs.pop().unwrap();
     gone.shutdown_async().await;
     drop(gone);

@@ -1,29 +1,15 @@
 //! `monitored_barrier` on the TCP backend, ranks as tasks of one process on loopback.
 
-use std::sync::Arc;
+mod common;
+
 use std::time::Duration;
 
 use cohort_core::Rank;
 use cohort_transports::tcp::MonitoredBarrierError;
-use cohort_transports::{MemoryStore, ProcessGroup, Store, TcpOptions, TokioNet};
+use cohort_transports::{ProcessGroup, TcpOptions};
 
 fn opts() -> TcpOptions {
     TcpOptions { init_timeout: Duration::from_secs(5), timeout: Duration::from_secs(20), ..TcpOptions::default() }
-}
-
-async fn group(world: u32) -> Vec<ProcessGroup> {
-    let store: Arc<dyn Store> = Arc::new(MemoryStore::new());
-    let joins: Vec<_> = (0..world)
-        .map(|r| {
-            let store = store.clone();
-            tokio::spawn(async move { ProcessGroup::connect(TokioNet, store, r, world, opts()).await })
-        })
-        .collect();
-    let mut pgs = Vec::new();
-    for j in joins {
-        pgs.push(j.await.unwrap().expect("connect"));
-    }
-    pgs
 }
 
 /// Run the barrier on `ranks` concurrently; the result of each, by rank.
@@ -33,23 +19,16 @@ async fn barrier_on(
     timeout: Duration,
     wait_all: bool,
 ) -> Vec<(u32, Result<(), MonitoredBarrierError>)> {
-    let joins: Vec<_> = ranks
-        .iter()
-        .map(|&r| {
-            let pg = pgs[r as usize].clone();
-            tokio::spawn(async move { (r, pg.monitored_barrier_async(timeout, wait_all).await) })
-        })
-        .collect();
-    let mut out = Vec::new();
-    for j in joins {
-        out.push(j.await.unwrap());
-    }
-    out
+    common::concurrently(ranks.iter().map(|&r| {
+        let pg = pgs[r as usize].clone();
+        async move { (r, pg.monitored_barrier_async(timeout, wait_all).await) }
+    }))
+    .await
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn every_rank_passes_when_all_arrive_and_again_after() {
-    let pgs = group(3).await;
+    let pgs = common::group(3, opts()).await;
     for _ in 0..2 {
         for (r, res) in barrier_on(&pgs, &[0, 1, 2], Duration::from_secs(10), false).await {
             assert!(res.is_ok(), "rank {r}: {res:?}");
@@ -69,7 +48,7 @@ async fn every_rank_passes_when_all_arrive_and_again_after() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn rank_0_names_every_missing_rank_with_wait_all_ranks_and_others_name_rank_0() {
-    let pgs = group(4).await;
+    let pgs = common::group(4, opts()).await;
     let results = barrier_on(&pgs, &[0, 2], Duration::from_millis(500), true).await;
     let err0 = results[0].1.clone().unwrap_err();
     assert_eq!(err0.culprits(), vec![Rank(1), Rank(3)], "{err0}");
@@ -81,7 +60,7 @@ async fn rank_0_names_every_missing_rank_with_wait_all_ranks_and_others_name_ran
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn without_wait_all_ranks_rank_0_names_the_first_missing_rank_only() {
-    let pgs = group(4).await;
+    let pgs = common::group(4, opts()).await;
     let results = barrier_on(&pgs, &[0, 2], Duration::from_millis(300), false).await;
     let err0 = results[0].1.clone().unwrap_err();
     assert_eq!(err0.culprits(), vec![Rank(1)], "{err0}");
@@ -90,7 +69,7 @@ async fn without_wait_all_ranks_rank_0_names_the_first_missing_rank_only() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn bad_arguments_and_blocking_from_async_code_are_refused() {
-    let pgs = group(2).await;
+    let pgs = common::group(2, opts()).await;
     let err = pgs[0].monitored_barrier_async(Duration::ZERO, false).await.unwrap_err();
     assert!(err.to_string().contains("monitored_barrier: timeout must be positive"), "{err}");
     let err = pgs[1].monitored_barrier(Duration::from_secs(1), false).unwrap_err();

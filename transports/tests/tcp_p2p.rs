@@ -1,5 +1,7 @@
 //! The TCP backend's mesh and point-to-point path, ranks as tasks of one process on loopback.
 
+mod common;
+
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -11,24 +13,9 @@ fn opts() -> TcpOptions {
     TcpOptions { init_timeout: Duration::from_secs(5), timeout: Duration::from_secs(5), ..TcpOptions::default() }
 }
 
-async fn group(world: u32, opts: TcpOptions) -> Vec<ProcessGroup> {
-    let store: Arc<dyn Store> = Arc::new(MemoryStore::new());
-    let joins: Vec<_> = (0..world)
-        .map(|r| {
-            let (store, opts) = (store.clone(), opts.clone());
-            tokio::spawn(async move { ProcessGroup::connect(TokioNet, store, r, world, opts).await })
-        })
-        .collect();
-    let mut pgs = Vec::new();
-    for j in joins {
-        pgs.push(j.await.unwrap().expect("connect"));
-    }
-    pgs
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn send_recv_and_recv_anysource_carry_tensors_and_tags() {
-    let pgs = group(3, opts()).await;
+    let pgs = common::group(3, opts()).await;
     let recv = pgs[1].recv(Tensor::from_slice(&[0f32; 3]), 0, 7).unwrap();
     pgs[0].send(Tensor::from_slice(&[1.0f32, 2.0, 3.0]), 1, 7).unwrap().await.unwrap();
     assert_eq!(recv.await.unwrap(), vec![Tensor::from_slice(&[1.0f32, 2.0, 3.0])]);
@@ -50,7 +37,7 @@ async fn send_recv_and_recv_anysource_carry_tensors_and_tags() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_peer_that_goes_away_fails_pending_works_naming_it() {
-    let pgs = group(3, opts()).await;
+    let pgs = common::group(3, opts()).await;
     let pending = pgs[0].recv(Tensor::from_slice(&[0f32]), 2, 0).unwrap();
     pgs[2].shutdown();
     let err = tokio::time::timeout(Duration::from_secs(5), pending).await.expect("noticed in time").unwrap_err();
@@ -64,7 +51,7 @@ async fn a_peer_that_goes_away_fails_pending_works_naming_it() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_recv_nobody_answers_times_out_naming_op_and_seq() {
     let o = TcpOptions { timeout: Duration::from_millis(300), error_handling: ErrorHandling::NoHandling, ..opts() };
-    let pgs = group(2, o).await;
+    let pgs = common::group(2, o).await;
     let w = pgs[1].recv(Tensor::from_slice(&[0f32]), 0, 0).unwrap();
     let err = w.clone().await.unwrap_err();
     assert_eq!(w.state(), WorkState::TimedOut);

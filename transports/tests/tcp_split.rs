@@ -1,30 +1,14 @@
 //! New groups from old ones: split_group (sub-groups, and the survivors' shrink after a rank is
 //! lost) and merge_remote_group, with ranks as tasks of one process on loopback.
 
+mod common;
+
 use std::sync::Arc;
 use std::time::Duration;
 
 use cohort_core::{ReduceOp, Tensor};
 use cohort_transports::tcp::SplitError;
-use cohort_transports::{MemoryStore, ProcessGroup, Store, TcpOptions, TokioNet};
-
-fn opts() -> TcpOptions {
-    TcpOptions { init_timeout: Duration::from_secs(5), timeout: Duration::from_secs(5), ..TcpOptions::default() }
-}
-
-async fn group(store: Arc<dyn Store>, world: u32) -> Vec<ProcessGroup> {
-    let joins: Vec<_> = (0..world)
-        .map(|r| {
-            let store = store.clone();
-            tokio::spawn(async move { ProcessGroup::connect(TokioNet, store, r, world, opts()).await })
-        })
-        .collect();
-    let mut pgs = Vec::new();
-    for j in joins {
-        pgs.push(j.await.unwrap().expect("connect"));
-    }
-    pgs
-}
+use cohort_transports::{MemoryStore, ProcessGroup, Store};
 
 /// Every group in `pgs` allreduces (its parent rank + 1); returns each rank's sum.
 async fn sums(pgs: &[ProcessGroup], value: impl Fn(usize) -> f32) -> Vec<f32> {
@@ -42,25 +26,32 @@ async fn sums(pgs: &[ProcessGroup], value: impl Fn(usize) -> f32) -> Vec<f32> {
 }
 
 async fn split_all(pgs: &[ProcessGroup], lists: &[&[u32]]) -> Vec<Result<ProcessGroup, SplitError>> {
-    let joins: Vec<_> = pgs
-        .iter()
-        .map(|pg| {
-            let pg = pg.clone();
-            let list = lists.iter().find(|l| l.contains(&pg.rank().0)).expect("every rank is listed").to_vec();
-            tokio::spawn(async move { pg.split_group(&list).await })
-        })
-        .collect();
-    let mut out = Vec::new();
-    for j in joins {
-        out.push(j.await.unwrap());
-    }
-    out
+    common::concurrently(pgs.iter().map(|pg| {
+        let pg = pg.clone();
+        let list = lists.iter().find(|l| l.contains(&pg.rank().0)).expect("every rank is listed").to_vec();
+        async move { pg.split_group(&list).await }
+    }))
+    .await
+}
+
+/// Every group in `pgs` calls `merge_remote_group(shared, size, name)` at once.
+async fn merge_all(
+    pgs: &[ProcessGroup],
+    shared: &Arc<dyn Store>,
+    size: u32,
+    name: &'static str,
+) -> Vec<Result<ProcessGroup, SplitError>> {
+    common::concurrently(pgs.iter().map(|pg| {
+        let (pg, shared) = (pg.clone(), shared.clone());
+        async move { pg.merge_remote_group(shared, size, name).await }
+    }))
+    .await
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn split_makes_independent_subgroups_numbered_by_parent_rank() {
     let store: Arc<dyn Store> = Arc::new(MemoryStore::new());
-    let pgs = group(store, 4).await;
+    let pgs = common::group_on(store, 4, common::opts(5)).await;
     // Lists in any order; rank 3 and rank 1 make one group, 2 and 0 the other.
     let subs: Vec<_> = split_all(&pgs, &[&[2, 0], &[3, 1]]).await.into_iter().map(|r| r.expect("split")).collect();
     for (parent, sub) in pgs.iter().zip(&subs) {
@@ -86,7 +77,7 @@ async fn split_makes_independent_subgroups_numbered_by_parent_rank() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn survivors_shrink_the_group_after_a_rank_is_lost() {
     let store: Arc<dyn Store> = Arc::new(MemoryStore::new());
-    let mut pgs = group(store, 3).await;
+    let mut pgs = common::group_on(store, 3, common::opts(5)).await;
     let lost = pgs.pop().expect("rank 2");
     lost.abort("rank 2 leaves");
     drop(lost);
@@ -105,7 +96,7 @@ async fn survivors_shrink_the_group_after_a_rank_is_lost() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_split_whose_lowest_rank_never_comes_names_it() {
     let store: Arc<dyn Store> = Arc::new(MemoryStore::new());
-    let pgs = group(store, 3).await;
+    let pgs = common::group_on(store, 3, common::opts(5)).await;
     // Rank 1 asks for {0, 1}; rank 0 never does. Rank 1 gives up at the init timeout.
     let err = tokio::time::timeout(Duration::from_secs(10), pgs[1].split_group(&[1, 0]))
         .await
@@ -124,22 +115,12 @@ async fn a_split_whose_lowest_rank_never_comes_names_it() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn merge_joins_independent_groups_keeping_each_groups_ranks_together() {
     // Two jobs of two ranks each, each with its own store, and one single process.
-    let a = group(Arc::new(MemoryStore::new()), 2).await;
-    let b = group(Arc::new(MemoryStore::new()), 2).await;
-    let c = group(Arc::new(MemoryStore::new()), 1).await;
+    let a = common::group_on(Arc::new(MemoryStore::new()), 2, common::opts(5)).await;
+    let b = common::group_on(Arc::new(MemoryStore::new()), 2, common::opts(5)).await;
+    let c = common::group_on(Arc::new(MemoryStore::new()), 1, common::opts(5)).await;
     let shared: Arc<dyn Store> = Arc::new(MemoryStore::new());
     let all: Vec<ProcessGroup> = a.iter().chain(&b).chain(&c).cloned().collect();
-    let joins: Vec<_> = all
-        .iter()
-        .map(|pg| {
-            let (pg, shared) = (pg.clone(), shared.clone());
-            tokio::spawn(async move { pg.merge_remote_group(shared, 5, "five").await })
-        })
-        .collect();
-    let mut merged = Vec::new();
-    for j in joins {
-        merged.push(j.await.unwrap().expect("merge"));
-    }
+    let merged: Vec<_> = merge_all(&all, &shared, 5, "five").await.into_iter().map(|r| r.expect("merge")).collect();
     let ranks: Vec<u32> = merged.iter().map(|pg| pg.rank().0).collect();
     let mut sorted = ranks.clone();
     sorted.sort_unstable();
@@ -160,8 +141,8 @@ async fn merge_joins_independent_groups_keeping_each_groups_ranks_together() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_merge_with_more_ranks_than_its_size_fails_the_late_group_whole() {
     let shared: Arc<dyn Store> = Arc::new(MemoryStore::new());
-    let first = group(Arc::new(MemoryStore::new()), 1).await;
-    let late = group(Arc::new(MemoryStore::new()), 2).await;
+    let first = common::group_on(Arc::new(MemoryStore::new()), 1, common::opts(5)).await;
+    let late = common::group_on(Arc::new(MemoryStore::new()), 2, common::opts(5)).await;
     let solo = {
         let (pg, shared) = (first[0].clone(), shared.clone());
         tokio::spawn(async move { pg.merge_remote_group(shared, 2, "two").await })
@@ -169,18 +150,8 @@ async fn a_merge_with_more_ranks_than_its_size_fails_the_late_group_whole() {
     while !shared.check(&["cohort/merge/two/gid"]).await.unwrap() {
         tokio::time::sleep(Duration::from_millis(5)).await;
     }
-    let joins: Vec<_> = late
-        .iter()
-        .map(|pg| {
-            let (pg, shared) = (pg.clone(), shared.clone());
-            tokio::spawn(async move { pg.merge_remote_group(shared, 2, "two").await })
-        })
-        .collect();
-    let mut errors = Vec::new();
-    for j in joins {
-        let err = tokio::time::timeout(Duration::from_secs(5), j).await.expect("fails at once").unwrap().unwrap_err();
-        errors.push(err.to_string());
-    }
+    let results = tokio::time::timeout(Duration::from_secs(5), merge_all(&late, &shared, 2, "two")).await;
+    let errors: Vec<String> = results.expect("fails at once").into_iter().map(|r| r.unwrap_err().to_string()).collect();
     assert!(errors[0].contains("3 ranks joined a group of size 2"), "{}", errors[0]);
     assert!(errors[1].contains("rank 0 of this group could not join"), "{}", errors[1]);
     // The first group reserved its rank and waits for a second rank that never comes.
