@@ -1488,8 +1488,12 @@ mod tests {
         g.poll_launch();
         g.handle_started(t0, a);
         g.handle_waiting_on(t0, a, vec![Rank(2)]);
-        assert_eq!(g.poll_timeout(), Some(t0 + Duration::from_secs(10)));
+        // First the stuck note, halfway; then the deadline.
+        assert_eq!(g.poll_timeout(), Some(t0 + Duration::from_secs(5)));
         g.handle_timeout(t0 + Duration::from_secs(9));
+        assert_eq!(g.poll_timeout(), Some(t0 + Duration::from_secs(10)));
+        let stuck: Vec<_> = std::iter::from_fn(|| g.poll_transmit()).map(|t| t.to).collect();
+        assert_eq!(stuck, vec![Rank(1), Rank(2), Rank(3)]);
         assert!(drain_events(&mut g).is_empty());
         g.handle_timeout(t0 + Duration::from_secs(10));
         let events = drain_events(&mut g);

@@ -629,7 +629,7 @@ mod tests {
 
     #[test]
     fn decode_refuses_unknown_kinds() {
-        for code in [0u8, 7, 255] {
+        for code in [0u8, 8, 255] {
             let mut b = header_bytes(&sample());
             b[6] = code;
             let err = FrameHeader::decode(&b, &FrameLimits::default()).unwrap_err();
