@@ -342,6 +342,29 @@ impl Tensor {
         Ok(Tensor::from_bytes_unchecked(dtype, shape.to_vec(), bytes))
     }
 
+    /// A tensor of `shape` over `buffer`, without copying it; checked as [`Tensor::from_bytes`].
+    pub fn from_host_buffer(dtype: DType, shape: &[usize], buffer: HostBuffer) -> Result<Tensor, TensorError> {
+        let expected = numel_of(shape).ok_or_else(|| TensorError::TooLarge(shape.to_vec()))?;
+        let len = buffer.len();
+        if !len.is_multiple_of(dtype.size()) {
+            return Err(TensorError::RaggedBytes { len, dtype });
+        }
+        if len / dtype.size() != expected {
+            return Err(TensorError::ShapeMismatch { shape: shape.to_vec(), expected, actual: len / dtype.size() });
+        }
+        if dtype == DType::Bool {
+            check_bools(buffer.as_bytes())?;
+        }
+        Ok(Tensor { dtype, shape: shape.to_vec(), storage: Storage::Host(buffer) })
+    }
+
+    /// The tensor's host buffer, without copying it (the shape and dtype are dropped).
+    pub fn into_host_buffer(self) -> HostBuffer {
+        match self.storage {
+            Storage::Host(b) => b,
+        }
+    }
+
     fn from_bytes_unchecked(dtype: DType, shape: Vec<usize>, bytes: &[u8]) -> Tensor {
         Tensor { dtype, shape, storage: Storage::Host(HostBuffer::from_bytes(bytes)) }
     }
@@ -526,6 +549,21 @@ fn check_bools(bytes: &[u8]) -> Result<(), TensorError> {
 
 #[cfg(test)]
 mod tests {
+
+    #[test]
+    fn host_buffers_move_in_and_out_of_tensors_checked() {
+        let t = Tensor::from_slice_shaped(&[1.0f32, 2.0, 3.0, 4.0], &[2, 2]).unwrap();
+        let buf = t.clone().into_host_buffer();
+        assert_eq!(buf.len(), 16);
+        let back = Tensor::from_host_buffer(DType::F32, &[2, 2], buf.clone()).unwrap();
+        assert_eq!(back, t);
+        let err = Tensor::from_host_buffer(DType::F32, &[3], buf.clone()).unwrap_err();
+        assert!(matches!(err, TensorError::ShapeMismatch { expected: 3, actual: 4, .. }), "{err}");
+        let twelve = Tensor::from_slice(&[1.0f32, 2.0, 3.0]).into_host_buffer();
+        assert!(matches!(Tensor::from_host_buffer(DType::F64, &[1], twelve), Err(TensorError::RaggedBytes { .. })));
+        let bad_bools = Tensor::from_slice(&[0u8, 2]).into_host_buffer();
+        assert!(matches!(Tensor::from_host_buffer(DType::Bool, &[2], bad_bools), Err(TensorError::NotABool { .. })));
+    }
 
     #[test]
     fn f64_round_trip_in_every_dtype() {

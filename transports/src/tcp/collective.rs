@@ -110,6 +110,8 @@ impl Request {
 enum Finish {
     /// The data buffer is the result; give it to every tensor (flattened slots, or copies).
     InPlace { tensors: Vec<Tensor>, slots: Option<Vec<FlatSlot>> },
+    /// The data buffer is the result and becomes the one tensor, whose buffer it was (no copy).
+    Moved { dtype: DType, shape: Vec<usize> },
     /// The output buffer split into tensors of these shapes.
     Split { dtype: DType, shapes: Vec<Vec<usize>> },
     /// Nothing to hand back.
@@ -153,50 +155,69 @@ impl CollectiveRun {
         let err = |e: &dyn std::fmt::Display| e.to_string();
         // (op, reduction, data, output length in bytes, element size, how to finish)
         let (op, reduction, data, out_len, elem, finish) = match request {
-            Request::Allreduce { tensors, op, coalesced } => {
+            Request::Allreduce { mut tensors, op, coalesced } => {
                 let dtype = tensors.first().map(Tensor::dtype).ok_or("allreduce: no tensors")?;
                 let red = Reduction::new(op, dtype).map_err(|e| err(&e))?;
-                let (data, slots) = if coalesced {
+                let (data, finish) = if coalesced {
                     let (flat, slots) = Tensor::flatten(&tensors).map_err(|e| err(&e))?;
-                    (flat.bytes().to_vec(), Some(slots))
+                    (flat.into_host_buffer(), Finish::InPlace { tensors, slots: Some(slots) })
+                } else if tensors.len() == 1 {
+                    // The common case: the tensor's own buffer is reduced in place, no copies.
+                    let t = tensors.pop().ok_or("allreduce: no tensors")?;
+                    let shape = t.shape().to_vec();
+                    (t.into_host_buffer(), Finish::Moved { dtype, shape })
                 } else {
                     // Several tensors on one rank are reduced together first (as Gloo does).
-                    let mut acc = tensors[0].bytes().to_vec();
+                    let mut acc = HostBuffer::from_bytes(tensors[0].bytes());
                     for t in &tensors[1..] {
-                        red.combine(&mut acc, t.bytes()).map_err(|e| err(&e))?;
+                        red.combine(acc.as_bytes_mut(), t.bytes()).map_err(|e| err(&e))?;
                     }
-                    (acc, None)
+                    (acc, Finish::InPlace { tensors, slots: None })
                 };
                 let count = data.len() / dtype.size();
-                (ScheduleOp::Allreduce { count }, Some(red), data, 0, dtype.size(), Finish::InPlace { tensors, slots })
+                (ScheduleOp::Allreduce { count }, Some(red), data, 0, dtype.size(), finish)
             }
-            Request::Broadcast { tensors, root } => {
+            Request::Broadcast { mut tensors, root } => {
                 let first = tensors.first().ok_or("broadcast: no tensors")?;
-                let (count, es, data) = (first.numel(), first.element_size(), first.bytes().to_vec());
-                (ScheduleOp::Broadcast { count, root }, None, data, 0, es, Finish::InPlace { tensors, slots: None })
+                let (count, es, dtype, shape) =
+                    (first.numel(), first.element_size(), first.dtype(), first.shape().to_vec());
+                let (data, finish) = if tensors.len() == 1 {
+                    let t = tensors.pop().ok_or("broadcast: no tensors")?;
+                    (t.into_host_buffer(), Finish::Moved { dtype, shape })
+                } else {
+                    (HostBuffer::from_bytes(tensors[0].bytes()), Finish::InPlace { tensors, slots: None })
+                };
+                (ScheduleOp::Broadcast { count, root }, None, data, 0, es, finish)
             }
-            Request::Reduce { tensors, root, op } => {
+            Request::Reduce { mut tensors, root, op } => {
                 let dtype = tensors.first().map(Tensor::dtype).ok_or("reduce: no tensors")?;
                 let red = Reduction::new(op, dtype).map_err(|e| err(&e))?;
-                let mut acc = tensors[0].bytes().to_vec();
-                for t in &tensors[1..] {
-                    red.combine(&mut acc, t.bytes()).map_err(|e| err(&e))?;
-                }
+                let (acc, finish) = if tensors.len() == 1 {
+                    let t = tensors.pop().ok_or("reduce: no tensors")?;
+                    let shape = t.shape().to_vec();
+                    (t.into_host_buffer(), Finish::Moved { dtype, shape })
+                } else {
+                    let mut acc = HostBuffer::from_bytes(tensors[0].bytes());
+                    for t in &tensors[1..] {
+                        red.combine(acc.as_bytes_mut(), t.bytes()).map_err(|e| err(&e))?;
+                    }
+                    (acc, Finish::InPlace { tensors, slots: None })
+                };
                 let count = acc.len() / dtype.size();
-                (
-                    ScheduleOp::Reduce { count, root },
-                    Some(red),
-                    acc,
-                    0,
-                    dtype.size(),
-                    Finish::InPlace { tensors, slots: None },
-                )
+                (ScheduleOp::Reduce { count, root }, Some(red), acc, 0, dtype.size(), finish)
             }
             Request::Allgather { input, into_tensor } => {
                 let (dtype, numel) = (input.dtype(), input.numel());
                 let shapes = if into_tensor { vec![vec![numel * n]] } else { vec![input.shape().to_vec(); n] };
                 let op = ScheduleOp::Allgather { counts: vec![numel; n] };
-                (op, None, input.bytes().to_vec(), input.nbytes() * n, dtype.size(), Finish::Split { dtype, shapes })
+                (
+                    op,
+                    None,
+                    HostBuffer::from_bytes(input.bytes()),
+                    input.nbytes() * n,
+                    dtype.size(),
+                    Finish::Split { dtype, shapes },
+                )
             }
             Request::AllgatherCoalesced { inputs } => {
                 // One allgather of the inputs back to back; every rank's piece splits into its
@@ -213,7 +234,7 @@ impl CollectiveRun {
                 let shapes = (0..n).flat_map(|_| inputs.iter().map(|t| t.shape().to_vec())).collect();
                 let op = ScheduleOp::Allgather { counts: vec![numel; n] };
                 let out_len = data.len() * n;
-                (op, None, data, out_len, dtype.size(), Finish::Split { dtype, shapes })
+                (op, None, HostBuffer::from_bytes(&data), out_len, dtype.size(), Finish::Split { dtype, shapes })
             }
             Request::Gather { input, root } => {
                 let (dtype, numel) = (input.dtype(), input.numel());
@@ -223,11 +244,11 @@ impl CollectiveRun {
                     (0, Finish::Nothing)
                 };
                 let op = ScheduleOp::Gather { counts: vec![numel; n], root };
-                (op, None, input.bytes().to_vec(), out_len, dtype.size(), finish)
+                (op, None, HostBuffer::from_bytes(input.bytes()), out_len, dtype.size(), finish)
             }
             Request::Scatter { output, inputs, root } => {
                 let dtype = output.dtype();
-                let data = if me == root { concat(&inputs) } else { Vec::new() };
+                let data = if me == root { HostBuffer::from_bytes(&concat(&inputs)) } else { HostBuffer::default() };
                 let op = ScheduleOp::Scatter { counts: vec![output.numel(); n], root };
                 let finish = Finish::Split { dtype, shapes: vec![output.shape().to_vec()] };
                 (op, None, data, output.nbytes(), dtype.size(), finish)
@@ -244,23 +265,37 @@ impl CollectiveRun {
                 };
                 let out_len = counts[me.index()] * dtype.size();
                 let finish = Finish::Split { dtype, shapes: vec![shape] };
-                (ScheduleOp::ReduceScatter { counts }, Some(red), concat(&inputs), out_len, dtype.size(), finish)
+                (
+                    ScheduleOp::ReduceScatter { counts },
+                    Some(red),
+                    HostBuffer::from_bytes(&concat(&inputs)),
+                    out_len,
+                    dtype.size(),
+                    finish,
+                )
             }
             Request::Alltoall { outputs, inputs } => {
                 let dtype = inputs.first().map(Tensor::dtype).ok_or("alltoall: no tensors")?;
                 let op = ScheduleOp::Alltoall { send_counts: numels(&inputs), recv_counts: numels(&outputs) };
                 let out_len = outputs.iter().map(Tensor::nbytes).sum();
                 let shapes = outputs.iter().map(|t| t.shape().to_vec()).collect();
-                (op, None, concat(&inputs), out_len, dtype.size(), Finish::Split { dtype, shapes })
+                (
+                    op,
+                    None,
+                    HostBuffer::from_bytes(&concat(&inputs)),
+                    out_len,
+                    dtype.size(),
+                    Finish::Split { dtype, shapes },
+                )
             }
             Request::AlltoallBase { output, input, input_splits, output_splits } => {
                 let dtype = input.dtype();
                 let op = ScheduleOp::alltoall_base(world, input.numel(), output.numel(), &input_splits, &output_splits)
                     .map_err(|e| err(&e))?;
                 let finish = Finish::Split { dtype, shapes: vec![output.shape().to_vec()] };
-                (op, None, input.bytes().to_vec(), output.nbytes(), dtype.size(), finish)
+                (op, None, HostBuffer::from_bytes(input.bytes()), output.nbytes(), dtype.size(), finish)
             }
-            Request::Barrier => (ScheduleOp::Barrier, None, Vec::new(), 0, 1, Finish::Nothing),
+            Request::Barrier => (ScheduleOp::Barrier, None, HostBuffer::default(), 0, 1, Finish::Nothing),
             Request::Taken => return Err("collective started twice".into()),
         };
         let plan = Plan::new(&op, me, world, elem, PlanOptions::default()).map_err(|e| err(&e))?;
@@ -271,7 +306,7 @@ impl CollectiveRun {
                 plan.output_len()
             ));
         }
-        let exec = Executor::new(plan, reduction, HostBuffer::from_bytes(&data)).map_err(|e| err(&e))?;
+        let exec = Executor::new(plan, reduction, data).map_err(|e| err(&e))?;
         Ok(CollectiveRun { seq, exec, finish })
     }
 
@@ -298,8 +333,11 @@ impl CollectiveRun {
 
     /// The output tensors.
     pub(crate) fn finish(self) -> Result<Vec<Tensor>, String> {
-        let (data, output) = self.exec.into_buffers();
-        let (data, output) = (data.as_bytes(), output.as_bytes());
+        let (data_buf, output) = self.exec.into_buffers();
+        if let Finish::Moved { dtype, shape } = &self.finish {
+            return Ok(vec![Tensor::from_host_buffer(*dtype, shape, data_buf).map_err(|e| e.to_string())?]);
+        }
+        let (data, output) = (data_buf.as_bytes(), output.as_bytes());
         match self.finish {
             Finish::InPlace { mut tensors, slots } => {
                 match slots {
@@ -328,7 +366,7 @@ impl CollectiveRun {
                 }
                 Ok(out)
             }
-            Finish::Nothing => Ok(Vec::new()),
+            Finish::Nothing | Finish::Moved { .. } => Ok(Vec::new()),
         }
     }
 }
