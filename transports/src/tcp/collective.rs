@@ -325,9 +325,9 @@ impl CollectiveRun {
     }
 
     /// The next chunk to send: (peer, step, bytes).
-    pub(crate) fn poll_send(&mut self) -> Option<(Rank, u32, Bytes)> {
+    pub(crate) fn poll_send(&mut self, pool: &super::link::BufferPool) -> Option<(Rank, u32, Bytes)> {
         let out = self.exec.poll_send()?;
-        let bytes = Bytes::copy_from_slice(self.exec.payload(&out));
+        let bytes = pool.bytes(self.exec.payload(&out));
         Some((out.to, out.step, bytes))
     }
 

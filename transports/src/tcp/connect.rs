@@ -239,11 +239,12 @@ where
     let limits = FrameLimits::new(inner.opts.max_frame);
     let Some(tally) = inner.tallies.get(peer.index()).cloned() else { return };
     let weak = Arc::downgrade(inner);
+    let pool = inner.lock().pool.clone();
     let (err_tx, mut err_rx) = mpsc::unbounded_channel();
     let writer = inner.runtime.spawn(link::run_writer(inner.rank, peer, w, rx, err_tx));
     let (weak_r, tally_r) = (weak.clone(), tally.clone());
     let reader = inner.runtime.spawn(async move {
-        link::run_reader(peer, r, limits, |inbound| {
+        link::run_reader(peer, r, limits, pool, |inbound| {
             let Some(inner) = weak_r.upgrade() else { return false };
             if tally_r.pass(&inbound) {
                 inner.input(|st, fx| deliver(st, fx, inbound));

@@ -13,6 +13,83 @@ use tokio::sync::mpsc;
 /// ones go out as header then payload, without a copy.
 const COALESCE_LIMIT: usize = 64 * 1024;
 
+/// Large frame buffers for reuse: receiving or sending a chunk of a big collective would
+/// otherwise map fresh pages for every chunk (the allocator hands large blocks back to the
+/// kernel), and page faults were the largest cost of a 64 MiB allreduce. Buffers below
+/// [`BufferPool::MIN`] are not kept; at most [`BufferPool::KEEP`] are.
+#[derive(Clone, Debug, Default)]
+pub(crate) struct BufferPool(std::sync::Arc<std::sync::Mutex<Vec<Vec<u8>>>>);
+
+impl BufferPool {
+    /// Smallest buffer worth keeping.
+    pub(crate) const MIN: usize = 64 * 1024;
+    /// Most buffers kept.
+    pub(crate) const KEEP: usize = 32;
+
+    /// A buffer of `len` zero bytes, reusing a kept one when it is large enough.
+    pub(crate) fn take(&self, len: usize) -> Result<Vec<u8>, std::collections::TryReserveError> {
+        let mut v = self.empty(len);
+        v.try_reserve_exact(len)?;
+        v.resize(len, 0);
+        Ok(v)
+    }
+
+    /// An empty buffer, with room for `len` bytes when a kept one has it.
+    fn empty(&self, len: usize) -> Vec<u8> {
+        if len < Self::MIN {
+            return Vec::new();
+        }
+        let mut kept = self.0.lock().unwrap_or_else(|p| p.into_inner());
+        let mut v = match kept.iter().position(|b| b.capacity() >= len) {
+            Some(i) => kept.swap_remove(i),
+            None => Vec::new(),
+        };
+        v.clear();
+        v
+    }
+
+    /// Keep `buf` for a later [`BufferPool::take`], if it is large and there is room.
+    pub(crate) fn give(&self, buf: Vec<u8>) {
+        if buf.capacity() >= Self::MIN {
+            let mut kept = self.0.lock().unwrap_or_else(|p| p.into_inner());
+            if kept.len() < Self::KEEP {
+                kept.push(buf);
+            }
+        }
+    }
+
+    /// `bytes` copied into a buffer that returns to this pool once written and dropped.
+    pub(crate) fn bytes(&self, bytes: &[u8]) -> Bytes {
+        if bytes.len() < Self::MIN {
+            return Bytes::copy_from_slice(bytes);
+        }
+        let mut v = self.empty(bytes.len());
+        if v.try_reserve_exact(bytes.len()).is_err() {
+            return Bytes::copy_from_slice(bytes);
+        }
+        v.extend_from_slice(bytes);
+        Bytes::from_owner(Pooled { buf: v, pool: self.clone() })
+    }
+}
+
+/// A pooled buffer lent to a [`Bytes`]; goes back to its pool when dropped.
+struct Pooled {
+    buf: Vec<u8>,
+    pool: BufferPool,
+}
+
+impl AsRef<[u8]> for Pooled {
+    fn as_ref(&self) -> &[u8] {
+        &self.buf
+    }
+}
+
+impl Drop for Pooled {
+    fn drop(&mut self) {
+        self.pool.give(std::mem::take(&mut self.buf));
+    }
+}
+
 /// The connections to one peer, as the driver writes to them: one queue per connection.
 /// Large data frames go round robin over them; everything else (control frames, point-to-point
 /// messages, small data frames) keeps to the first, so that its order holds. Data frames may
@@ -116,8 +193,13 @@ impl std::fmt::Debug for Outbound {
 
 /// Read frames from `stream` until it ends, handing each to `deliver` (which returns false
 /// once nobody listens any more).
-pub(crate) async fn run_reader<R>(from: Rank, stream: R, limits: FrameLimits, mut deliver: impl FnMut(Inbound) -> bool)
-where
+pub(crate) async fn run_reader<R>(
+    from: Rank,
+    stream: R,
+    limits: FrameLimits,
+    pool: BufferPool,
+    mut deliver: impl FnMut(Inbound) -> bool,
+) where
     R: AsyncRead + Unpin,
 {
     let mut reader = BufReader::with_capacity(256 * 1024, stream);
@@ -148,15 +230,17 @@ where
         let len = usize::try_from(header.payload_len).unwrap_or(usize::MAX);
         let mut payload = Vec::new();
         if len > 0 {
-            if let Err(e) = payload.try_reserve_exact(len) {
-                let _ = deliver(Inbound::Closed {
-                    from,
-                    reason: format!("cannot allocate {len} bytes for a frame from rank {from}: {e}"),
-                    clean: false,
-                });
-                return;
-            }
-            payload.resize(len, 0);
+            payload = match pool.take(len) {
+                Ok(v) => v,
+                Err(e) => {
+                    let _ = deliver(Inbound::Closed {
+                        from,
+                        reason: format!("cannot allocate {len} bytes for a frame from rank {from}: {e}"),
+                        clean: false,
+                    });
+                    return;
+                }
+            };
             if let Err(e) = reader.read_exact(&mut payload).await {
                 let reason = describe_read_error(&e, false);
                 let _ = deliver(Inbound::Closed { from, reason, clean: false });
@@ -290,6 +374,36 @@ mod tests {
         assert_eq!(counts, vec![2 + 3, 2, 2]);
         drop(rxs);
         assert!(!lanes.send(frame(FrameKind::Data, 16)), "a closed connection refuses");
+    }
+
+    #[test]
+    fn large_buffers_are_reused_and_small_ones_are_not_kept() {
+        let pool = BufferPool::default();
+        let mut a = pool.take(BufferPool::MIN).unwrap();
+        a[0] = 7;
+        let ptr = a.as_ptr();
+        pool.give(a);
+        let b = pool.take(BufferPool::MIN - 1).unwrap();
+        assert_eq!(b.len(), BufferPool::MIN - 1);
+        assert!(b.iter().all(|&x| x == 0), "a small take is fresh and zeroed");
+        let c = pool.take(BufferPool::MIN).unwrap();
+        assert_eq!(c.as_ptr(), ptr, "the kept buffer comes back");
+        assert!(c.iter().all(|&x| x == 0), "zeroed again");
+        pool.give(b);
+        assert!(pool.0.lock().unwrap().is_empty(), "small buffers are not kept");
+        // A pooled Bytes returns its buffer when the last handle drops.
+        let payload = vec![3u8; BufferPool::MIN];
+        let bytes = pool.bytes(&payload);
+        assert_eq!(&bytes[..], &payload[..]);
+        let clone = bytes.clone();
+        drop(bytes);
+        assert!(pool.0.lock().unwrap().is_empty());
+        drop(clone);
+        assert_eq!(pool.0.lock().unwrap().len(), 1);
+        for _ in 0..BufferPool::KEEP + 5 {
+            pool.give(vec![0; BufferPool::MIN]);
+        }
+        assert_eq!(pool.0.lock().unwrap().len(), BufferPool::KEEP);
     }
 
     fn closed(clean: bool) -> Inbound {

@@ -110,6 +110,8 @@ pub(crate) struct DriverState {
     on_written: WrittenHook,
     /// Lazy connection: connections per peer, when peers are dialed on first use.
     lazy: Option<u16>,
+    /// Large frame buffers for reuse, shared with this group's readers.
+    pub(crate) pool: super::link::BufferPool,
     /// Peers to dial (lazy connection), with the queues their new connections will write.
     dial_requests: Vec<(Rank, Vec<mpsc::UnboundedReceiver<Outbound>>)>,
     /// Writers of connections this rank only reads from (a peer's lanes to it, when it writes
@@ -150,6 +152,7 @@ impl DriverState {
             deferred_departures: std::collections::BTreeSet::new(),
             on_written: WrittenHook(on_written),
             lazy,
+            pool: super::link::BufferPool::default(),
             dial_requests: Vec::new(),
             idle: Vec::new(),
         }
@@ -500,6 +503,7 @@ impl DriverState {
             return;
         }
         let result = run.handle_recv(from, step, &payload);
+        self.pool.give(payload);
         self.after_step(now, id, result);
     }
 
@@ -551,7 +555,7 @@ impl DriverState {
         let fingerprint = *fingerprint;
         let seq = run.seq();
         let mut out = Vec::new();
-        while let Some(frame) = run.poll_send() {
+        while let Some(frame) = run.poll_send(&self.pool) {
             out.push(frame);
         }
         for (to, step, bytes) in out {
