@@ -355,7 +355,8 @@ fn options() -> impl Strategy<Value = PlanOptions> {
     let algorithm = prop_oneof![
         Just(AllreduceAlgorithm::Auto),
         Just(AllreduceAlgorithm::Ring),
-        Just(AllreduceAlgorithm::HalvingDoubling)
+        Just(AllreduceAlgorithm::HalvingDoubling),
+        Just(AllreduceAlgorithm::RecursiveDoubling)
     ];
     let chunk_bytes = prop_oneof![Just(0usize), Just(1), Just(3), 1usize..5000];
     (algorithm, chunk_bytes).prop_map(|(allreduce, chunk_bytes)| PlanOptions { allreduce, chunk_bytes })

@@ -146,6 +146,44 @@ pub(super) fn halving_doubling_allreduce(ctx: &Ctx, count: usize) -> Builder {
     b
 }
 
+/// Recursive doubling for small messages: `log2 p` rounds (halving-doubling needs twice as
+/// many), each exchanging the whole buffer with the partner and combining. Every rank of the
+/// power-of-two core combines the same values at each level (`x ⊕ y` on one side, `y ⊕ x` on
+/// the other), so all end bit-identical. Non-powers of two fold in as in
+/// [`halving_doubling_allreduce`]: step 0 folds each even rank `r < 2 rem` into `r + 1`, step
+/// `L + 1` hands it the result.
+pub(super) fn recursive_doubling_allreduce(ctx: &Ctx, count: usize) -> Builder {
+    let (n, r) = (ctx.n, ctx.rank);
+    let p = 1usize << (usize::BITS - 1 - n.leading_zeros());
+    let rem = n - p;
+    let levels = p.trailing_zeros() as usize;
+    let last_step = (1 + levels) as u32;
+    let all = 0..count;
+    let mut b = Builder::new(ctx, count, 0);
+    b.premultiply(Data, all.clone());
+    if r < 2 * rem {
+        if r % 2 == 0 {
+            b.send(0, ctx.peer(r + 1), Data, all.clone());
+            b.recv(last_step, ctx.peer(r + 1), Data, all, Copy);
+            return b;
+        }
+        b.recv(0, ctx.peer(r - 1), Data, all.clone(), Reduce);
+    }
+    let new_rank = if r < 2 * rem { r / 2 } else { r - rem };
+    let real = |v: usize| ctx.peer(if v < rem { 2 * v + 1 } else { v + rem });
+    for i in 0..levels {
+        let partner = real(new_rank ^ (1 << i));
+        let step = (1 + i) as u32;
+        b.send(step, partner, Data, all.clone());
+        b.recv(step, partner, Data, all.clone(), Reduce);
+    }
+    b.finalize(Data, all.clone());
+    if r < 2 * rem {
+        b.send(last_step, ctx.peer(r - 1), Data, all);
+    }
+    b
+}
+
 /// Binomial-tree broadcast. With virtual ranks `v = (r - root) mod n`: a rank `v != 0`
 /// receives from `v` with its lowest set bit cleared, at step `k = trailing_zeros(v)`; it sends
 /// to `v + 2^j` for every `j < k` (the root: every `2^j < n`) at step `j`, farthest child first.
@@ -334,7 +372,7 @@ fn ceil_log2(n: usize) -> usize {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::schedule::{Action, AllreduceAlgorithm, BufId, Plan, PlanOptions, RecvMode, ScheduleOp};
+    use crate::schedule::{Action, Algorithm, AllreduceAlgorithm, BufId, Plan, PlanOptions, RecvMode, ScheduleOp};
     use crate::work::Rank;
 
     fn plan(op: ScheduleOp, rank: usize, n: usize, options: PlanOptions) -> Plan {
@@ -446,6 +484,31 @@ mod tests {
             m.iter().map(|m| (m.0, m.1, m.3)).collect::<Vec<_>>(),
             vec![(0, 0, false), (1, 1, false), (2, 2, true)]
         );
+    }
+
+    #[test]
+    fn recursive_doubling_exchanges_whole_buffers_in_half_the_rounds() {
+        // n = 6: ranks 0 and 2 fold into 1 and 3; new ranks 1→0, 3→1, 4→2, 5→3.
+        let rd = PlanOptions { allreduce: AllreduceAlgorithm::RecursiveDoubling, chunk_bytes: 0 };
+        let op = ScheduleOp::Allreduce { count: 8 };
+        assert_eq!(messages(&plan(op.clone(), 0, 6, rd)), vec![(0, 1, 0..8, true), (3, 1, 0..8, false)]);
+        assert_eq!(
+            messages(&plan(op.clone(), 1, 6, rd)),
+            vec![
+                (0, 0, 0..8, false), // fold-in
+                (1, 3, 0..8, true),  // level 0: new rank 0 ↔ 1 (rank 3), whole buffer
+                (1, 3, 0..8, false),
+                (2, 4, 0..8, true), // level 1: new rank 0 ↔ 2 (rank 4)
+                (2, 4, 0..8, false),
+                (3, 0, 0..8, true), // the result back to rank 0
+            ]
+        );
+        // Auto picks it for small buffers only.
+        let auto = PlanOptions::default();
+        let small = Plan::new(&ScheduleOp::Allreduce { count: 4 }, Rank(0), 2, 4, auto).unwrap();
+        assert_eq!(small.algorithm(), Algorithm::RecursiveDoubling);
+        let medium = Plan::new(&ScheduleOp::Allreduce { count: 16 * 1024 }, Rank(0), 2, 4, auto).unwrap();
+        assert_eq!(medium.algorithm(), Algorithm::HalvingDoubling);
     }
 
     #[test]

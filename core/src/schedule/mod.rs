@@ -60,7 +60,13 @@ use crate::work::Rank;
 pub use executor::{Executor, Outgoing, RecvTarget};
 pub use plan::{Action, Plan, RecvMode};
 
-/// Allreduce messages of at most this many bytes use recursive halving-doubling under
+/// Allreduce messages of at most this many bytes use recursive doubling under
+/// [`AllreduceAlgorithm::Auto`]: half the rounds of halving-doubling, each moving the whole
+/// (small) buffer.
+pub const RECURSIVE_DOUBLING_MAX_BYTES: usize = 16 * 1024;
+
+/// Allreduce messages of at most this many bytes (and above
+/// [`RECURSIVE_DOUBLING_MAX_BYTES`]) use recursive halving-doubling under
 /// [`AllreduceAlgorithm::Auto`]; larger ones use the ring.
 ///
 /// Halving-doubling needs `2 log2 p` rounds (plus two whole-buffer transfers when the world size
@@ -100,9 +106,12 @@ impl fmt::Display for BufId {
 /// Which allreduce algorithm a plan uses.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
 pub enum AllreduceAlgorithm {
-    /// Halving-doubling up to [`HALVING_DOUBLING_MAX_BYTES`], the ring above.
+    /// Recursive doubling up to [`RECURSIVE_DOUBLING_MAX_BYTES`], halving-doubling up to
+    /// [`HALVING_DOUBLING_MAX_BYTES`], the ring above.
     #[default]
     Auto,
+    /// Recursive doubling: `log2 p` rounds, each exchanging the whole buffer (small messages).
+    RecursiveDoubling,
     /// Recursive halving (reduce-scatter) then recursive doubling (allgather); for world sizes
     /// that are not powers of two, the first `2 * (n - 2^floor(log2 n))` ranks fold in pairs:
     /// each even rank sends its buffer to the next odd rank, sits the exchange out, and gets
@@ -123,6 +132,8 @@ pub enum Algorithm {
     Dissemination,
     /// Recursive halving-doubling (allreduce).
     HalvingDoubling,
+    /// Recursive doubling (allreduce, small messages).
+    RecursiveDoubling,
     /// Pairwise exchange (alltoall).
     Pairwise,
     /// Ring (allreduce, allgather, reduce_scatter).
@@ -137,6 +148,7 @@ impl Algorithm {
             Algorithm::Direct => "direct",
             Algorithm::Dissemination => "dissemination",
             Algorithm::HalvingDoubling => "halving_doubling",
+            Algorithm::RecursiveDoubling => "recursive_doubling",
             Algorithm::Pairwise => "pairwise",
             Algorithm::Ring => "ring",
         }

@@ -135,16 +135,21 @@ impl Plan {
             }
             ScheduleOp::Allreduce { count } => {
                 let len = total_bytes("count", &[*count], elem_size)?;
-                let hd = match options.allreduce {
-                    AllreduceAlgorithm::Auto => len <= super::HALVING_DOUBLING_MAX_BYTES,
-                    AllreduceAlgorithm::HalvingDoubling => true,
-                    AllreduceAlgorithm::Ring => false,
+                let algorithm = match options.allreduce {
+                    AllreduceAlgorithm::Auto if len <= super::RECURSIVE_DOUBLING_MAX_BYTES => {
+                        Algorithm::RecursiveDoubling
+                    }
+                    AllreduceAlgorithm::Auto if len <= super::HALVING_DOUBLING_MAX_BYTES => Algorithm::HalvingDoubling,
+                    AllreduceAlgorithm::Auto | AllreduceAlgorithm::Ring => Algorithm::Ring,
+                    AllreduceAlgorithm::RecursiveDoubling => Algorithm::RecursiveDoubling,
+                    AllreduceAlgorithm::HalvingDoubling => Algorithm::HalvingDoubling,
                 };
-                if hd {
-                    (Algorithm::HalvingDoubling, algorithms::halving_doubling_allreduce(&ctx, *count))
-                } else {
-                    (Algorithm::Ring, algorithms::ring_allreduce(&ctx, *count))
-                }
+                let b = match algorithm {
+                    Algorithm::RecursiveDoubling => algorithms::recursive_doubling_allreduce(&ctx, *count),
+                    Algorithm::HalvingDoubling => algorithms::halving_doubling_allreduce(&ctx, *count),
+                    _ => algorithms::ring_allreduce(&ctx, *count),
+                };
+                (algorithm, b)
             }
             ScheduleOp::Alltoall { send_counts, recv_counts } => {
                 check_counts("send_counts", send_counts)?;
