@@ -1233,7 +1233,7 @@ impl GroupState {
             _ => None,
         };
         let message = timeout_message(self.rank, &cx);
-        self.set_result(id, WorkResult::Timeout { message: message.clone() });
+        self.set_result(id, WorkResult::Timeout { message: message.clone(), culprit });
         self.fail_group(now, GroupFailure { origin: self.rank, culprit, seq: Some(cx.seq), message }, true);
     }
 

@@ -223,6 +223,9 @@ pub enum WorkResult {
     Timeout {
         /// c10d-style message naming op, seq, sizes, timeout, elapsed time and missing ranks.
         message: String,
+        /// The rank it blames: the one rank it waited for, or where the waiting chain ended.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        culprit: Option<Rank>,
     },
     /// This rank's communication failed (a peer's connection dropped, a protocol error…).
     CommError {
@@ -267,6 +270,7 @@ impl WorkResult {
     pub fn culprit(&self) -> Option<Rank> {
         match self {
             WorkResult::CommError { rank, .. } => *rank,
+            WorkResult::Timeout { culprit, .. } => *culprit,
             WorkResult::RemoteError { rank, culprit, .. } => culprit.or(Some(*rank)),
             _ => None,
         }
@@ -277,7 +281,7 @@ impl fmt::Display for WorkResult {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match self {
             WorkResult::Success => f.write_str("success"),
-            WorkResult::Timeout { message } => f.write_str(message),
+            WorkResult::Timeout { message, .. } => f.write_str(message),
             WorkResult::CommError { message, .. } => f.write_str(message),
             WorkResult::RemoteError { rank, message, .. } => write!(f, "rank {rank} failed first: {message}"),
             WorkResult::Aborted { reason } => write!(f, "aborted: {reason}"),

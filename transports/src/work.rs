@@ -526,7 +526,11 @@ mod tests {
             s.fetch_add(1, Ordering::SeqCst);
         });
         let (_work, completer) = Work::pending(WorkId(1), SeqNo(1), OpType::Allreduce, Some(hook));
-        completer.finish(WorkResult::Timeout { message: "t".into() }, finished_lifecycle(WorkState::TimedOut), vec![]);
+        completer.finish(
+            WorkResult::Timeout { message: "t".into(), culprit: None },
+            finished_lifecycle(WorkState::TimedOut),
+            vec![],
+        );
         assert_eq!(seen.load(Ordering::SeqCst), 1);
     }
 

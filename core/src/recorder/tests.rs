@@ -101,7 +101,7 @@ fn pg_status_follows_collectives() {
     // A failure does not count as completion.
     let c = fr.record(ms(4), &allreduce(3)).unwrap();
     fr.handle_started(c, ms(4));
-    fr.handle_finished(c, ms(5), &WorkResult::Timeout { message: "late".into() });
+    fr.handle_finished(c, ms(5), &WorkResult::Timeout { message: "late".into(), culprit: None });
     assert_eq!(status(&fr, "0"), st(3, 3, 2));
     // Point-to-point ops leave it alone.
     let send = fr
@@ -266,7 +266,10 @@ fn small_dump() -> Dump {
     };
     let b = fr.record(ms(6), &bcast).unwrap();
     fr.handle_started(b, ms(7));
-    let timeout = WorkResult::Timeout { message: "broadcast seq 1 timed out after 1500 ms waiting for rank 0".into() };
+    let timeout = WorkResult::Timeout {
+        message: "broadcast seq 1 timed out after 1500 ms waiting for rank 0".into(),
+        culprit: None,
+    };
     fr.handle_finished(b, ms(1_507), &timeout);
     let send =
         RecordRequest { p2p_seq_id: 1, op_id: 2, profiling_name: "gloo:send 1->0", is_p2p: true, ..allreduce(1) };
