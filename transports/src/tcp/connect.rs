@@ -160,9 +160,9 @@ impl ProcessGroup {
         cfg.max_in_flight = opts.max_in_flight;
         cfg.recorder = RecorderConfig::new(opts.trace_buffer_size);
         cfg.backend = super::BACKEND_NAME.into();
+        cfg.lazy_peers = opts.lazy_connect;
         // The recorder's wall-clock anchor, read beside the group's epoch. It only appears in
         // dumps, never in decisions; the simulator fixes it so that dumps replay byte for byte.
-        cfg.lazy_peers = opts.lazy_connect;
         cfg.wall_epoch_ns = opts.wall_clock_anchor_ns.unwrap_or_else(|| {
             std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_nanos() as u64)
         });

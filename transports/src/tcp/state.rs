@@ -14,11 +14,11 @@ use cohort_core::group::{Collective, Completion, ControlMsg, Event, GroupState, 
 use cohort_core::protocol::{Fingerprint, FrameHeader, FrameKind, decode_message, truncate_message};
 use cohort_core::tensor::Tensor;
 use cohort_core::work::{GroupId, Rank, SeqNo, WorkId};
+use tokio::sync::mpsc;
 
 use super::collective::{CollectiveRun, Step};
 use super::link::{Lanes, Outbound};
 use crate::work::{Work, WorkCompleter};
-use tokio::sync::mpsc;
 
 /// What the user handed in with a work, and what it becomes.
 #[derive(Debug)]
@@ -167,6 +167,8 @@ impl DriverState {
             && let Some(k) = self.lazy
             && to != self.me
             && !self.closed.contains_key(&to)
+            && !self.group.is_aborted()
+            && self.group.failure().is_none()
         {
             let (txs, rxs): (Vec<_>, Vec<_>) = (0..k).map(|_| mpsc::unbounded_channel()).unzip();
             self.writers[to.index()] = Some(Lanes::new(txs));
