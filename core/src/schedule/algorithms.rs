@@ -102,29 +102,17 @@ fn ring_allgather_rounds(
 /// doubling: the levels in reverse, sending the owned range and copying the partner's. Step
 /// `2L + 1`: each odd rank `r < 2 rem` sends the result to `r - 1`.
 pub(super) fn halving_doubling_allreduce(ctx: &Ctx, count: usize) -> Builder {
-    let (n, r) = (ctx.n, ctx.rank);
-    let p = 1usize << (usize::BITS - 1 - n.leading_zeros());
-    let rem = n - p;
-    let levels = p.trailing_zeros() as usize;
+    let core = Core::new(ctx);
+    let levels = core.levels;
     let last_step = (1 + 2 * levels) as u32;
     let all = 0..count;
     let mut b = Builder::new(ctx, count, 0);
-    b.premultiply(Data, all.clone());
-    if r < 2 * rem {
-        if r % 2 == 0 {
-            b.send(0, ctx.peer(r + 1), Data, all.clone());
-            b.recv(last_step, ctx.peer(r + 1), Data, all, Copy);
-            return b;
-        }
-        b.recv(0, ctx.peer(r - 1), Data, all.clone(), Reduce);
-    }
-    let new_rank = if r < 2 * rem { r / 2 } else { r - rem };
-    let real = |v: usize| ctx.peer(if v < rem { 2 * v + 1 } else { v + rem });
+    let Some(new_rank) = core.fold_in(ctx, &mut b, count, last_step) else { return b };
     let mut range = all.clone();
     let mut exchanged = Vec::with_capacity(levels);
     for i in 0..levels {
-        let mask = p >> (i + 1);
-        let partner = real(new_rank ^ mask);
+        let mask = core.p >> (i + 1);
+        let partner = core.peer(ctx, new_rank ^ mask);
         let mid = range.start + range.len() / 2;
         let (keep, give) =
             if new_rank & mask == 0 { (range.start..mid, mid..range.end) } else { (mid..range.end, range.start..mid) };
@@ -140,9 +128,7 @@ pub(super) fn halving_doubling_allreduce(ctx: &Ctx, count: usize) -> Builder {
         b.send(step, partner, Data, keep);
         b.recv(step, partner, Data, give, Copy);
     }
-    if r < 2 * rem {
-        b.send(last_step, ctx.peer(r - 1), Data, all);
-    }
+    core.fold_out(ctx, &mut b, count, last_step);
     b
 }
 
@@ -153,35 +139,66 @@ pub(super) fn halving_doubling_allreduce(ctx: &Ctx, count: usize) -> Builder {
 /// [`halving_doubling_allreduce`]: step 0 folds each even rank `r < 2 rem` into `r + 1`, step
 /// `L + 1` hands it the result.
 pub(super) fn recursive_doubling_allreduce(ctx: &Ctx, count: usize) -> Builder {
-    let (n, r) = (ctx.n, ctx.rank);
-    let p = 1usize << (usize::BITS - 1 - n.leading_zeros());
-    let rem = n - p;
-    let levels = p.trailing_zeros() as usize;
-    let last_step = (1 + levels) as u32;
+    let core = Core::new(ctx);
+    let last_step = (1 + core.levels) as u32;
     let all = 0..count;
     let mut b = Builder::new(ctx, count, 0);
-    b.premultiply(Data, all.clone());
-    if r < 2 * rem {
-        if r % 2 == 0 {
-            b.send(0, ctx.peer(r + 1), Data, all.clone());
-            b.recv(last_step, ctx.peer(r + 1), Data, all, Copy);
-            return b;
-        }
-        b.recv(0, ctx.peer(r - 1), Data, all.clone(), Reduce);
-    }
-    let new_rank = if r < 2 * rem { r / 2 } else { r - rem };
-    let real = |v: usize| ctx.peer(if v < rem { 2 * v + 1 } else { v + rem });
-    for i in 0..levels {
-        let partner = real(new_rank ^ (1 << i));
+    let Some(new_rank) = core.fold_in(ctx, &mut b, count, last_step) else { return b };
+    for i in 0..core.levels {
+        let partner = core.peer(ctx, new_rank ^ (1 << i));
         let step = (1 + i) as u32;
         b.send(step, partner, Data, all.clone());
         b.recv(step, partner, Data, all.clone(), Reduce);
     }
-    b.finalize(Data, all.clone());
-    if r < 2 * rem {
-        b.send(last_step, ctx.peer(r - 1), Data, all);
-    }
+    b.finalize(Data, all);
+    core.fold_out(ctx, &mut b, count, last_step);
     b
+}
+
+/// The power-of-two core of `n` ranks that halving-doubling and recursive doubling work in:
+/// the largest `p = 2^levels <= n`; the first `2 rem` ranks (`rem = n - p`) pair up, each even
+/// one folding its buffer into the next odd one, which stands for both in the core.
+struct Core {
+    p: usize,
+    rem: usize,
+    levels: usize,
+}
+
+impl Core {
+    fn new(ctx: &Ctx) -> Core {
+        let p = 1usize << (usize::BITS - 1 - ctx.n.leading_zeros());
+        Core { p, rem: ctx.n - p, levels: p.trailing_zeros() as usize }
+    }
+
+    /// Premultiply, then step 0: an even rank `r < 2 rem` sends its buffer to `r + 1` and waits
+    /// for the result at `last_step` (`None`: it sits the core out); an odd one combines its
+    /// partner's buffer. Returns this rank's number in the core.
+    fn fold_in(&self, ctx: &Ctx, b: &mut Builder, count: usize, last_step: u32) -> Option<usize> {
+        let r = ctx.rank;
+        b.premultiply(Data, 0..count);
+        if r < 2 * self.rem {
+            if r.is_multiple_of(2) {
+                b.send(0, ctx.peer(r + 1), Data, 0..count);
+                b.recv(last_step, ctx.peer(r + 1), Data, 0..count, Copy);
+                return None;
+            }
+            b.recv(0, ctx.peer(r - 1), Data, 0..count, Reduce);
+            return Some(r / 2);
+        }
+        Some(r - self.rem)
+    }
+
+    /// The real rank of core rank `v`.
+    fn peer(&self, ctx: &Ctx, v: usize) -> crate::work::Rank {
+        ctx.peer(if v < self.rem { 2 * v + 1 } else { v + self.rem })
+    }
+
+    /// Step `last_step`: each odd rank `r < 2 rem` hands the result to `r - 1`.
+    fn fold_out(&self, ctx: &Ctx, b: &mut Builder, count: usize, last_step: u32) {
+        if ctx.rank < 2 * self.rem {
+            b.send(last_step, ctx.peer(ctx.rank - 1), Data, 0..count);
+        }
+    }
 }
 
 /// Binomial-tree broadcast. With virtual ranks `v = (r - root) mod n`: a rank `v != 0`

@@ -143,6 +143,26 @@ fn concat(tensors: &[Tensor]) -> Vec<u8> {
     out
 }
 
+/// The data buffer of an in-place op (allreduce, broadcast, reduce) and how it finishes. One
+/// tensor, the common case, lends its own buffer: no copy in, none out. Several tensors on one
+/// rank are combined first with `reduce` (as Gloo does), or, without one, the first is sent and
+/// every tensor gets the result.
+fn local_input(mut tensors: Vec<Tensor>, reduce: Option<&Reduction>) -> Result<(HostBuffer, Finish), String> {
+    if tensors.len() == 1 {
+        let t = tensors.pop().ok_or("no tensors")?;
+        let (dtype, shape) = (t.dtype(), t.shape().to_vec());
+        return Ok((t.into_host_buffer(), Finish::Moved { dtype, shape }));
+    }
+    let first = tensors.first().ok_or("no tensors")?;
+    let mut acc = HostBuffer::from_bytes(first.bytes());
+    if let Some(red) = reduce {
+        for t in &tensors[1..] {
+            red.combine(acc.as_bytes_mut(), t.bytes()).map_err(|e| e.to_string())?;
+        }
+    }
+    Ok((acc, Finish::InPlace { tensors, slots: None }))
+}
+
 fn numels(tensors: &[Tensor]) -> Vec<usize> {
     tensors.iter().map(Tensor::numel).collect()
 }
@@ -155,54 +175,28 @@ impl CollectiveRun {
         let err = |e: &dyn std::fmt::Display| e.to_string();
         // (op, reduction, data, output length in bytes, element size, how to finish)
         let (op, reduction, data, out_len, elem, finish) = match request {
-            Request::Allreduce { mut tensors, op, coalesced } => {
+            Request::Allreduce { tensors, op, coalesced } => {
                 let dtype = tensors.first().map(Tensor::dtype).ok_or("allreduce: no tensors")?;
                 let red = Reduction::new(op, dtype).map_err(|e| err(&e))?;
                 let (data, finish) = if coalesced {
                     let (flat, slots) = Tensor::flatten(&tensors).map_err(|e| err(&e))?;
                     (flat.into_host_buffer(), Finish::InPlace { tensors, slots: Some(slots) })
-                } else if tensors.len() == 1 {
-                    // The common case: the tensor's own buffer is reduced in place, no copies.
-                    let t = tensors.pop().ok_or("allreduce: no tensors")?;
-                    let shape = t.shape().to_vec();
-                    (t.into_host_buffer(), Finish::Moved { dtype, shape })
                 } else {
-                    // Several tensors on one rank are reduced together first (as Gloo does).
-                    let mut acc = HostBuffer::from_bytes(tensors[0].bytes());
-                    for t in &tensors[1..] {
-                        red.combine(acc.as_bytes_mut(), t.bytes()).map_err(|e| err(&e))?;
-                    }
-                    (acc, Finish::InPlace { tensors, slots: None })
+                    local_input(tensors, Some(&red))?
                 };
                 let count = data.len() / dtype.size();
                 (ScheduleOp::Allreduce { count }, Some(red), data, 0, dtype.size(), finish)
             }
-            Request::Broadcast { mut tensors, root } => {
+            Request::Broadcast { tensors, root } => {
                 let first = tensors.first().ok_or("broadcast: no tensors")?;
-                let (count, es, dtype, shape) =
-                    (first.numel(), first.element_size(), first.dtype(), first.shape().to_vec());
-                let (data, finish) = if tensors.len() == 1 {
-                    let t = tensors.pop().ok_or("broadcast: no tensors")?;
-                    (t.into_host_buffer(), Finish::Moved { dtype, shape })
-                } else {
-                    (HostBuffer::from_bytes(tensors[0].bytes()), Finish::InPlace { tensors, slots: None })
-                };
+                let (count, es) = (first.numel(), first.element_size());
+                let (data, finish) = local_input(tensors, None)?;
                 (ScheduleOp::Broadcast { count, root }, None, data, 0, es, finish)
             }
-            Request::Reduce { mut tensors, root, op } => {
+            Request::Reduce { tensors, root, op } => {
                 let dtype = tensors.first().map(Tensor::dtype).ok_or("reduce: no tensors")?;
                 let red = Reduction::new(op, dtype).map_err(|e| err(&e))?;
-                let (acc, finish) = if tensors.len() == 1 {
-                    let t = tensors.pop().ok_or("reduce: no tensors")?;
-                    let shape = t.shape().to_vec();
-                    (t.into_host_buffer(), Finish::Moved { dtype, shape })
-                } else {
-                    let mut acc = HostBuffer::from_bytes(tensors[0].bytes());
-                    for t in &tensors[1..] {
-                        red.combine(acc.as_bytes_mut(), t.bytes()).map_err(|e| err(&e))?;
-                    }
-                    (acc, Finish::InPlace { tensors, slots: None })
-                };
+                let (acc, finish) = local_input(tensors, Some(&red))?;
                 let count = acc.len() / dtype.size();
                 (ScheduleOp::Reduce { count, root }, Some(red), acc, 0, dtype.size(), finish)
             }
@@ -333,13 +327,13 @@ impl CollectiveRun {
 
     /// The output tensors.
     pub(crate) fn finish(self) -> Result<Vec<Tensor>, String> {
-        let (data_buf, output) = self.exec.into_buffers();
-        if let Finish::Moved { dtype, shape } = &self.finish {
-            return Ok(vec![Tensor::from_host_buffer(*dtype, shape, data_buf).map_err(|e| e.to_string())?]);
-        }
-        let (data, output) = (data_buf.as_bytes(), output.as_bytes());
+        let (data, output) = self.exec.into_buffers();
         match self.finish {
+            Finish::Moved { dtype, shape } => {
+                Ok(vec![Tensor::from_host_buffer(dtype, &shape, data).map_err(|e| e.to_string())?])
+            }
             Finish::InPlace { mut tensors, slots } => {
+                let data = data.as_bytes();
                 match slots {
                     Some(slots) => {
                         let dtype = tensors[0].dtype();
@@ -360,13 +354,13 @@ impl CollectiveRun {
                 let mut at = 0;
                 for shape in shapes {
                     let len = shape.iter().product::<usize>() * dtype.size();
-                    let bytes = output.get(at..at + len).ok_or("output buffer shorter than the outputs")?;
+                    let bytes = output.as_bytes().get(at..at + len).ok_or("output buffer shorter than the outputs")?;
                     out.push(Tensor::from_bytes(dtype, &shape, bytes).map_err(|e| e.to_string())?);
                     at += len;
                 }
                 Ok(out)
             }
-            Finish::Nothing | Finish::Moved { .. } => Ok(Vec::new()),
+            Finish::Nothing => Ok(Vec::new()),
         }
     }
 }

@@ -418,17 +418,7 @@ async fn mesh<N: Net>(
                 accepted = tokio::time::timeout_at(deadline, listener.accept()) => match accepted {
                     Ok(Ok((stream, remote))) => {
                         let limit = HANDSHAKE_TIMEOUT.min(opts.init_timeout);
-                        pending.spawn(async move {
-                            let mut stream = stream;
-                            let result = match tokio::time::timeout(limit, handshake(&mut stream, &expect, None)).await {
-                                Ok(r) => r,
-                                Err(_) => Err(HandshakeFailure::Io(std::io::Error::new(
-                                    std::io::ErrorKind::TimedOut,
-                                    format!("no handshake within {} ms", limit.as_millis()),
-                                ))),
-                            };
-                            (remote, stream, result)
-                        });
+                        pending.spawn(accepted_handshake(stream, remote, expect, limit));
                     }
                     Ok(Err(e)) => tracing::warn!("accept failed: {e}"),
                     Err(_) => break,
@@ -536,6 +526,24 @@ pub(crate) type Accepted<S> = (SocketAddr, S, Result<(Rank, u16), HandshakeFailu
 /// How long an accepted connection may take to send its handshake.
 pub(crate) const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
 
+/// The accepting side's handshake on a fresh connection, bounded by `limit`, so that a
+/// connection that never speaks holds up nobody.
+pub(crate) async fn accepted_handshake<S: AsyncRead + AsyncWrite + Unpin>(
+    mut stream: S,
+    remote: SocketAddr,
+    expect: HandshakeExpectation,
+    limit: Duration,
+) -> Accepted<S> {
+    let result = match tokio::time::timeout(limit, handshake(&mut stream, &expect, None)).await {
+        Ok(r) => r,
+        Err(_) => Err(HandshakeFailure::Io(std::io::Error::new(
+            std::io::ErrorKind::TimedOut,
+            format!("no handshake within {} ms", limit.as_millis()),
+        ))),
+    };
+    (remote, stream, result)
+}
+
 /// Whether a refused handshake came from a rank of this job that is set up wrongly (which
 /// fails the rendezvous on both sides at once, rather than at the init timeout), as opposed
 /// to something that is not a rank of this group at all (dropped with a warning).
@@ -583,7 +591,7 @@ async fn missing(store: &dyn Store, gid: GroupId, world_size: u32, timeout: Dura
 
 /// The accepting side of a handshake: answers with connection index 0 (the dialer's index is
 /// the one that counts); returns the peer's rank and connection index.
-pub(crate) async fn handshake<S: AsyncRead + AsyncWrite + Unpin>(
+async fn handshake<S: AsyncRead + AsyncWrite + Unpin>(
     stream: &mut S,
     expect: &HandshakeExpectation,
     _dialed: Option<Rank>,

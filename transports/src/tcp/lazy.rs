@@ -110,18 +110,7 @@ pub(crate) async fn serve_accepts<L: Listener>(listener: L, weak: Weak<Inner>, e
             }
             accepted = listener.accept() => match accepted {
                 Ok((stream, remote)) => {
-                    let limit = HANDSHAKE_TIMEOUT;
-                    pending.spawn(async move {
-                        let mut stream = stream;
-                        let result = match tokio::time::timeout(limit, connect::handshake(&mut stream, &expect, None)).await {
-                            Ok(r) => r,
-                            Err(_) => Err(HandshakeFailure::Io(std::io::Error::new(
-                                std::io::ErrorKind::TimedOut,
-                                format!("no handshake within {} ms", limit.as_millis()),
-                            ))),
-                        };
-                        (remote, stream, result)
-                    });
+                    pending.spawn(connect::accepted_handshake(stream, remote, expect, HANDSHAKE_TIMEOUT));
                 }
                 Err(e) => {
                     tracing::warn!("accept failed: {e}");
