@@ -52,6 +52,11 @@ pub(crate) struct BenchArgs {
     /// Root rank of broadcast and reduce.
     #[arg(long, default_value_t = 0)]
     root: u32,
+    /// Works in flight: each iteration submits this many (each on its own tensor) before
+    /// waiting for them; the time is per work. With `-b 0 -e 0` it measures the work
+    /// lifecycle's own overhead.
+    #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u32).range(1..=1024))]
+    inflight: u32,
     /// Local rank processes to start (ignored when RANK and WORLD_SIZE are set).
     #[arg(long, default_value_t = 2, value_parser = clap::value_parser!(u32).range(1..=64))]
     ranks: u32,
@@ -298,7 +303,7 @@ fn run_rank(args: &BenchArgs) -> Result<i32, String> {
                 sorted.sort_by(f64::total_cmp);
                 let median = sorted.get(sorted.len() / 2).copied().unwrap_or(0.0);
                 let obj = serde_json::json!({
-                    "op": args.op.name(), "ranks": n, "transport": "tcp",
+                    "op": args.op.name(), "ranks": n, "transport": "tcp", "inflight": args.inflight,
                     "size": row.bytes, "count": row.count, "type": type_name(args.dtype), "redop": redop, "root": root,
                     "time_us": row.mean_us, "median_us": median, "algbw": algbw, "busbw": busbw,
                     "wrong": if args.check == 1 { Some(row.wrong) } else { None },
@@ -335,11 +340,12 @@ fn run_rank(args: &BenchArgs) -> Result<i32, String> {
 
 fn header(args: &BenchArgs, n: u32) {
     println!(
-        "# cohort bench: {} over {} ranks (tcp), {} iters, {} warmup iters, check {}",
+        "# cohort bench: {} over {} ranks (tcp), {} iters, {} warmup iters, {} in flight, check {}",
         args.op.name(),
         n,
         args.iters,
         args.warmup,
+        args.inflight,
         args.check
     );
     println!("#");
@@ -411,43 +417,73 @@ fn close(dtype: DType, got: f64, want: f64) -> bool {
     }
 }
 
-/// One iteration: run the op on `data`, return what becomes the next iteration's input.
-fn once(pg: &ProcessGroup, args: &BenchArgs, data: Tensor, count: usize) -> Result<Tensor, String> {
+/// Submit the op on `data`; the work's first output becomes the next iteration's input.
+fn submit(pg: &ProcessGroup, args: &BenchArgs, data: Tensor, count: usize) -> Result<Pending, String> {
     let n = pg.world_size();
     let me = pg.rank().0;
     let fail = |e: &dyn std::fmt::Display| format!("{}: {e}", args.op.name());
-    let one = |w: Result<cohort_transports::Work, _>| -> Result<Tensor, String> {
-        let work = w.map_err(|e: cohort_core::group::SubmitError| fail(&e))?;
-        let mut out = work.result().map_err(|e| fail(&e))?;
-        out.pop().ok_or_else(|| format!("{}: no output tensor", args.op.name()))
-    };
-    match args.op {
-        BenchOp::Allreduce => one(pg.allreduce(vec![data], args.redop)),
-        BenchOp::Broadcast => one(pg.broadcast(vec![data], args.root)),
-        BenchOp::Reduce => one(pg.reduce(vec![data], args.root, args.redop)),
-        BenchOp::Allgather => one(pg.allgather_into_tensor(data)),
-        BenchOp::ReduceScatter => one(pg.reduce_scatter_tensor(data, args.redop)),
+    let one = |w: Result<cohort_transports::Work, cohort_core::group::SubmitError>| w.map_err(|e| fail(&e));
+    Ok(match args.op {
+        BenchOp::Allreduce => Pending::Output(one(pg.allreduce(vec![data], args.redop))?),
+        BenchOp::Broadcast => Pending::Output(one(pg.broadcast(vec![data], args.root))?),
+        BenchOp::Reduce => Pending::Output(one(pg.reduce(vec![data], args.root, args.redop))?),
+        BenchOp::Allgather => Pending::Output(one(pg.allgather_into_tensor(data))?),
+        BenchOp::ReduceScatter => Pending::Output(one(pg.reduce_scatter_tensor(data, args.redop))?),
         BenchOp::Alltoall => {
             let out = Tensor::zeros(args.dtype, &[count]).map_err(|e| fail(&e))?;
-            one(pg.alltoall_base(out, data, None, None))
+            Pending::Output(one(pg.alltoall_base(out, data, None, None))?)
         }
+        BenchOp::Sendrecv if n == 1 => Pending::Ready(data),
         BenchOp::Sendrecv => {
             let to = (me + 1) % n;
             let from = (me + n - 1) % n;
             let dst = Tensor::zeros(args.dtype, &[count]).map_err(|e| fail(&e))?;
-            if n == 1 {
-                return Ok(data);
-            }
-            let send = pg.send(data, to, 0).map_err(|e| fail(&e))?;
-            let got = one(pg.recv(dst, from, 0))?;
-            send.wait().map_err(|e| fail(&e))?;
-            Ok(got)
+            let send = one(pg.send(data, to, 0))?;
+            Pending::SendRecv(send, one(pg.recv(dst, from, 0))?)
         }
-        BenchOp::Barrier => {
-            pg.barrier().map_err(|e| fail(&e))?.wait().map_err(|e| fail(&e))?;
-            Ok(data)
+        BenchOp::Barrier => Pending::Kept(one(pg.barrier())?, data),
+    })
+}
+
+/// A submitted iteration.
+enum Pending {
+    /// The work's first output is the result.
+    Output(cohort_transports::Work),
+    /// A send and the recv whose output is the result.
+    SendRecv(cohort_transports::Work, cohort_transports::Work),
+    /// The work has no output; the input is kept.
+    Kept(cohort_transports::Work, Tensor),
+    /// Nothing to wait for.
+    Ready(Tensor),
+}
+
+impl Pending {
+    fn wait(self, args: &BenchArgs) -> Result<Tensor, String> {
+        let fail = |e: &dyn std::fmt::Display| format!("{}: {e}", args.op.name());
+        let output = |work: cohort_transports::Work| -> Result<Tensor, String> {
+            let mut out = work.result().map_err(|e| fail(&e))?;
+            out.pop().ok_or_else(|| format!("{}: no output tensor", args.op.name()))
+        };
+        match self {
+            Pending::Output(work) => output(work),
+            Pending::SendRecv(send, recv) => {
+                let got = output(recv)?;
+                send.wait().map_err(|e| fail(&e))?;
+                Ok(got)
+            }
+            Pending::Kept(work, data) => {
+                work.wait().map_err(|e| fail(&e))?;
+                Ok(data)
+            }
+            Pending::Ready(data) => Ok(data),
         }
     }
+}
+
+/// One iteration: submit the op on every tensor of `data` (one work each), then wait for all.
+fn once(pg: &ProcessGroup, args: &BenchArgs, data: Vec<Tensor>, count: usize) -> Result<Vec<Tensor>, String> {
+    let works = data.into_iter().map(|t| submit(pg, args, t, count)).collect::<Result<Vec<_>, _>>()?;
+    works.into_iter().map(|w| w.wait(args)).collect()
 }
 
 fn bench_size(pg: &ProcessGroup, args: &BenchArgs, size: usize) -> Result<Row, String> {
@@ -457,39 +493,47 @@ fn bench_size(pg: &ProcessGroup, args: &BenchArgs, size: usize) -> Result<Row, S
     let align = args.op.align(n);
     let count = if args.op == BenchOp::Barrier { 0 } else { size / es / align * align };
     let bytes = count * es;
+    let k = args.inflight as usize;
     // allgather's input is one rank's piece; the rest take the whole buffer.
     let in_count = if args.op == BenchOp::Allgather { count / n as usize } else { count };
-    // Inputs whose shape the op keeps are chained from one iteration to the next; the others
-    // restart from a copy of the input.
+    // Inputs whose shape the op keeps are chained from one iteration to the next (no spare
+    // copy is held: peak memory is the op's own); the others restart from a copy of the input.
     let chains = !matches!(args.op, BenchOp::Allgather | BenchOp::ReduceScatter);
-    let fresh = input(args, me, in_count);
-    let mut data = fresh.clone();
+    let fresh = (!chains).then(|| input(args, me, in_count));
+    let inputs = |data: Vec<Tensor>| -> Vec<Tensor> {
+        match &fresh {
+            Some(f) => vec![f.clone(); k],
+            None => data,
+        }
+    };
+    let mut data: Vec<Tensor> = if chains { (0..k).map(|_| input(args, me, in_count)).collect() } else { Vec::new() };
     for _ in 0..args.warmup {
-        let out = once(pg, args, if chains { data } else { fresh.clone() }, count)?;
-        data = out;
+        data = once(pg, args, inputs(data), count)?;
     }
     sync(pg)?;
     let mut times_us = Vec::with_capacity(args.iters as usize);
     let start = Instant::now();
     for _ in 0..args.iters {
         let t = Instant::now();
-        let out = once(pg, args, if chains { data } else { fresh.clone() }, count)?;
-        data = out;
-        times_us.push(t.elapsed().as_secs_f64() * 1e6);
+        data = once(pg, args, inputs(data), count)?;
+        times_us.push(t.elapsed().as_secs_f64() * 1e6 / k as f64);
     }
-    let mine = start.elapsed().as_secs_f64() * 1e6 / f64::from(args.iters);
+    let mine = start.elapsed().as_secs_f64() * 1e6 / f64::from(args.iters) / k as f64;
     let mean_us = all_max(pg, mine)?;
 
     let mut wrong = 0u64;
     if args.check == 1 && args.op != BenchOp::Barrier {
-        let got = once(pg, args, input(args, me, in_count), count)?.to_f64s();
+        drop(data);
+        let got = once(pg, args, vec![input(args, me, in_count); k], count)?;
         let want = expected(args, n, me, count);
         if !want.is_empty() {
-            wrong = if got.len() != want.len() {
-                want.len() as u64
-            } else {
-                got.iter().zip(&want).filter(|(g, w)| !close(args.dtype, **g, **w)).count() as u64
-            };
+            for got in got.iter().map(Tensor::to_f64s) {
+                wrong += if got.len() != want.len() {
+                    want.len() as u64
+                } else {
+                    got.iter().zip(&want).filter(|(g, w)| !close(args.dtype, **g, **w)).count() as u64
+                };
+            }
         }
         wrong = all_sum(pg, wrong)?;
     }

@@ -50,6 +50,25 @@ fn bench_checks_every_op_and_emits_json() {
 }
 
 #[test]
+fn bench_keeps_several_works_in_flight_and_checks_each() {
+    for op in ["allreduce", "sendrecv", "allgather", "barrier"] {
+        let out = cohort(&["bench", "-o", op, "-b", "0", "-e", "4K", "-f", "64", "-n", "3", "--inflight", "5", "--json"]);
+        let stdout = text(&out.stdout);
+        assert!(out.status.success(), "{op}: {stdout}\n{}", text(&out.stderr));
+        for line in stdout.lines() {
+            let row: serde_json::Value = serde_json::from_str(line).expect(line);
+            assert_eq!(row["inflight"], 5, "{line}");
+            if op != "barrier" {
+                assert_eq!(row["wrong"], 0, "{op}: {line}");
+            }
+        }
+    }
+    let out = cohort(&["bench", "--inflight", "0"]);
+    assert_eq!(out.status.code(), Some(2));
+    assert!(text(&out.stderr).contains("--inflight"));
+}
+
+#[test]
 fn bench_flags_are_checked_with_one_line_errors() {
     for (args, needle) in [
         (vec!["bench", "-b", "12Q"], "--minbytes"),
