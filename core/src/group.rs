@@ -931,7 +931,9 @@ impl GroupState {
                 self.fail_remote(t, failure);
             }
             ControlMsg::Abort { reason } => {
-                self.abort(t, format!("rank {from} aborted the group: {reason}"), false);
+                // Relayed to the others, like an error: a peer that hears of it only through
+                // this rank's goodbye would otherwise blame this rank.
+                self.abort(t, format!("rank {from} aborted the group: {reason}"), Some(from));
             }
             ControlMsg::Stuck { seq, mut waiting_on } => {
                 if from != self.rank && from.0 < self.cfg.world_size {
@@ -1011,7 +1013,7 @@ impl GroupState {
     /// `reason`; peers are told. Queues events and transmits. Aborting twice does nothing.
     pub fn handle_abort(&mut self, now: Instant, reason: String) {
         let now = self.since_epoch(now);
-        self.abort(now, reason, true);
+        self.abort(now, reason, None);
     }
 
     /// Fire every timer due at `now`: work deadlines (the work ends TimedOut), heartbeats
@@ -1344,7 +1346,8 @@ impl GroupState {
         }
     }
 
-    fn abort(&mut self, now: Duration, reason: String, tell_peers: bool) {
+    /// Abort every open work and tell every peer but `heard_from` (where the abort came from).
+    fn abort(&mut self, now: Duration, reason: String, heard_from: Option<Rank>) {
         if matches!(self.health, Health::Aborted(_)) {
             return;
         }
@@ -1352,11 +1355,9 @@ impl GroupState {
         for id in open {
             self.set_result(id, WorkResult::Aborted { reason: reason.clone() });
         }
-        if tell_peers {
-            for to in self.peers() {
-                if !self.lost.contains_key(&to) {
-                    self.transmits.push_back(Transmit { to, msg: ControlMsg::Abort { reason: reason.clone() } });
-                }
+        for to in self.peers() {
+            if !self.lost.contains_key(&to) && Some(to) != heard_from {
+                self.transmits.push_back(Transmit { to, msg: ControlMsg::Abort { reason: reason.clone() } });
             }
         }
         self.stop_timers();
@@ -1567,6 +1568,25 @@ mod tests {
         assert_eq!(g.submit(t0, allreduce(1)), Err(SubmitError::Aborted { cause: "user asked".into() }));
         g.handle_abort(t0, "again".into());
         assert!(drain_events(&mut g).is_empty());
+    }
+
+    #[test]
+    fn a_remote_abort_is_relayed_to_the_others_but_not_echoed() {
+        let (mut g, t0) = group(4, 1, ErrorHandling::CleanUpOnly);
+        g.handle_message(t0, Rank(2), ControlMsg::Abort { reason: "rank 2 leaves".into() });
+        let sent: Vec<(Rank, ControlMsg)> = std::iter::from_fn(|| g.poll_transmit()).map(|t| (t.to, t.msg)).collect();
+        let reason = "rank 2 aborted the group: rank 2 leaves".to_owned();
+        assert_eq!(
+            sent,
+            vec![
+                (Rank(0), ControlMsg::Abort { reason: reason.clone() }),
+                (Rank(3), ControlMsg::Abort { reason: reason.clone() })
+            ]
+        );
+        assert_eq!(g.submit(t0, allreduce(1)), Err(SubmitError::Aborted { cause: reason }));
+        // A relay coming back changes nothing.
+        g.handle_message(t0, Rank(0), ControlMsg::Abort { reason: "again".into() });
+        assert!(g.poll_transmit().is_none());
     }
 
     #[test]
