@@ -52,7 +52,8 @@ fn bench_checks_every_op_and_emits_json() {
 #[test]
 fn bench_keeps_several_works_in_flight_and_checks_each() {
     for op in ["allreduce", "sendrecv", "allgather", "barrier"] {
-        let out = cohort(&["bench", "-o", op, "-b", "0", "-e", "4K", "-f", "64", "-n", "3", "--inflight", "5", "--json"]);
+        let out =
+            cohort(&["bench", "-o", op, "-b", "0", "-e", "4K", "-f", "64", "-n", "3", "--inflight", "5", "--json"]);
         let stdout = text(&out.stdout);
         assert!(out.status.success(), "{op}: {stdout}\n{}", text(&out.stderr));
         for line in stdout.lines() {

@@ -127,6 +127,9 @@ pub type CompletionHook = Arc<dyn Fn(&WorkInfo) + Send + Sync>;
 /// Asks the runtime to abort a work.
 pub type AbortFn = Box<dyn Fn(&str) + Send + Sync>;
 
+/// Moves a work on from the thread that waits for it; true if it did anything.
+pub(crate) type ProgressFn = Arc<dyn Fn() -> bool + Send + Sync>;
+
 struct Slot {
     summary: Option<WorkSummary>,
     outputs: Option<Vec<Tensor>>,
@@ -142,6 +145,8 @@ struct Shared {
     slot: Mutex<Slot>,
     cond: Condvar,
     abort: Mutex<Option<AbortFn>>,
+    /// How a waiting thread may move the work on itself, and for how long it tries.
+    progress: std::sync::OnceLock<(ProgressFn, Duration)>,
     /// The work's `tracing` span, from submit to finish.
     span: tracing::Span,
 }
@@ -179,6 +184,7 @@ impl Work {
             slot: Mutex::new(Slot { summary: None, outputs: None, dropped: false, wakers: Vec::new() }),
             cond: Condvar::new(),
             abort: Mutex::new(None),
+            progress: std::sync::OnceLock::new(),
             span: tracing::debug_span!(
                 "work",
                 op = %op,
@@ -245,8 +251,27 @@ impl Work {
         *self.shared.abort.lock().unwrap_or_else(|p| p.into_inner()) = Some(f);
     }
 
+    /// Let a thread that waits for this work move it on itself for up to `budget` before it
+    /// sleeps: `progress` does what the runtime's tasks would (reads what has arrived and feeds
+    /// it) and says whether it did anything. The frame that finishes the work then wakes nobody.
+    pub(crate) fn set_progress(&self, progress: ProgressFn, budget: Duration) {
+        let _ = self.shared.progress.set((progress, budget));
+    }
+
+    /// Run the work's progress function until it ends or the budget is spent.
+    fn busy_poll(&self) {
+        let Some((progress, budget)) = self.shared.progress.get() else { return };
+        let start = std::time::Instant::now();
+        while !self.is_completed() && start.elapsed() < *budget {
+            if !progress() {
+                std::hint::spin_loop();
+            }
+        }
+    }
+
     /// Block until the work ends; `Ok` if it succeeded.
     pub fn wait(&self) -> Result<(), WorkError> {
+        self.busy_poll();
         let mut slot = self.shared.lock();
         while slot.summary.is_none() && !slot.dropped {
             slot = self.shared.cond.wait(slot).unwrap_or_else(|p| p.into_inner());

@@ -24,8 +24,9 @@ use cohort_core::work::{GroupId, Rank};
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
 use tokio::sync::{Notify, mpsc};
 
-use super::link::{self, Outbound};
+use super::link;
 use super::options::TcpOptions;
+use super::socket;
 use super::state::{DriverState, Effects};
 use super::{Inner, ProcessGroup, now};
 use crate::net::{Listener, Net};
@@ -179,7 +180,7 @@ impl ProcessGroup {
             }
             let mut lanes = Vec::with_capacity(conns.len());
             for s in conns {
-                let (tx, rx) = mpsc::unbounded_channel::<Outbound>();
+                let (tx, rx) = link::lane();
                 lanes.push(tx);
                 tallies[peer].add();
                 attached.push((Rank(peer as u32), s, rx));
@@ -211,6 +212,7 @@ impl ProcessGroup {
                 lineage: Mutex::new(None),
                 tallies,
                 dialer: super::lazy::dialer(net.clone()),
+                readers: RwLock::new(Vec::new()),
             }
         });
         for (peer, stream, rx) in attached {
@@ -230,8 +232,31 @@ impl ProcessGroup {
 
 /// Serve one connection to `peer`: a writer task writes what `rx` queues (and says goodbye when
 /// the driver closes it), a reader task feeds what arrives to the driver through the peer's
-/// close tally. The caller has counted the connection in the tally.
-pub(crate) fn attach<S>(inner: &Arc<Inner>, peer: Rank, stream: S, rx: mpsc::UnboundedReceiver<Outbound>)
+/// close tally. The caller has counted the connection in the tally. A real TCP socket takes
+/// the fast path (see [`super::socket`]).
+pub(crate) fn attach<S>(inner: &Arc<Inner>, peer: Rank, stream: S, rx: link::LaneRx)
+where
+    S: AsyncRead + AsyncWrite + Send + 'static,
+{
+    let mut slot = Some(stream);
+    if let Some(tcp) = (&mut slot as &mut dyn std::any::Any).downcast_mut::<Option<tokio::net::TcpStream>>()
+        && let Some(tcp) = tcp.take()
+    {
+        match socket::duplicate(&tcp) {
+            Ok(std) => attach_fast(inner, peer, tcp, std, rx),
+            Err(e) => {
+                tracing::debug!(%peer, "no fast path for this connection ({e})");
+                attach_generic(inner, peer, tcp, rx);
+            }
+        }
+        return;
+    }
+    if let Some(stream) = slot {
+        attach_generic(inner, peer, stream, rx);
+    }
+}
+
+fn attach_generic<S>(inner: &Arc<Inner>, peer: Rank, stream: S, rx: link::LaneRx)
 where
     S: AsyncRead + AsyncWrite + Send + 'static,
 {
@@ -240,19 +265,49 @@ where
     let Some(tally) = inner.tallies.get(peer.index()).cloned() else { return };
     let weak = Arc::downgrade(inner);
     let pool = inner.lock().pool.clone();
-    let (err_tx, mut err_rx) = mpsc::unbounded_channel();
+    let err_tx = spawn_error_relay(inner, tally.clone());
     let writer = inner.runtime.spawn(link::run_writer(inner.rank, peer, w, rx, err_tx));
-    let (weak_r, tally_r) = (weak.clone(), tally.clone());
     let reader = inner.runtime.spawn(async move {
         link::run_reader(peer, r, limits, pool, |inbound| {
-            let Some(inner) = weak_r.upgrade() else { return false };
-            if tally_r.pass(&inbound) {
+            let Some(inner) = weak.upgrade() else { return false };
+            if tally.pass(&inbound) {
                 inner.input(|st, fx| deliver(st, fx, inbound));
             }
             true
         })
         .await
     });
+    inner.writers.lock().unwrap_or_else(|p| p.into_inner()).push(writer);
+    inner.tasks.lock().unwrap_or_else(|p| p.into_inner()).push(reader);
+}
+
+fn attach_fast(
+    inner: &Arc<Inner>,
+    peer: Rank,
+    tcp: tokio::net::TcpStream,
+    std: Arc<std::net::TcpStream>,
+    rx: link::LaneRx,
+) {
+    let Some(tally) = inner.tallies.get(peer.index()).cloned() else { return };
+    let tcp = Arc::new(tcp);
+    let limits = FrameLimits::new(inner.opts.max_frame);
+    let pool = inner.lock().pool.clone();
+    let asm = link::Assembler::new(peer, limits, pool);
+    let reader = Arc::new(socket::FastReader::new(tcp.clone(), std.clone(), asm, tally.clone()));
+    inner.readers.write().unwrap_or_else(|p| p.into_inner()).push(reader.clone());
+    rx.gate.open(std.clone());
+    let err_tx = spawn_error_relay(inner, tally);
+    let w = socket::SharedWrite { tokio: tcp, std };
+    let writer = inner.runtime.spawn(link::run_writer(inner.rank, peer, w, rx, err_tx));
+    let reader = inner.runtime.spawn(socket::run_reader(reader, Arc::downgrade(inner), peer));
+    inner.writers.lock().unwrap_or_else(|p| p.into_inner()).push(writer);
+    inner.tasks.lock().unwrap_or_else(|p| p.into_inner()).push(reader);
+}
+
+/// A task that feeds a writer's failure to the driver through the peer's close tally.
+fn spawn_error_relay(inner: &Arc<Inner>, tally: Arc<link::CloseTally>) -> mpsc::UnboundedSender<link::Inbound> {
+    let weak = Arc::downgrade(inner);
+    let (err_tx, mut err_rx) = mpsc::unbounded_channel();
     let errors = inner.runtime.spawn(async move {
         while let Some(inbound) = err_rx.recv().await {
             let Some(inner) = weak.upgrade() else { return };
@@ -261,8 +316,8 @@ where
             }
         }
     });
-    inner.writers.lock().unwrap_or_else(|p| p.into_inner()).push(writer);
-    inner.tasks.lock().unwrap_or_else(|p| p.into_inner()).extend([reader, errors]);
+    inner.tasks.lock().unwrap_or_else(|p| p.into_inner()).push(errors);
+    err_tx
 }
 
 pub(crate) fn deliver(st: &mut DriverState, fx: &mut Effects, inbound: link::Inbound) {
@@ -278,7 +333,12 @@ async fn run_timer(weak: std::sync::Weak<Inner>) {
     loop {
         let (deadline, notified) = {
             let Some(inner) = weak.upgrade() else { return };
-            let deadline = inner.lock().group.poll_timeout();
+            let deadline = {
+                let mut st = inner.lock();
+                let d = st.group.poll_timeout();
+                st.timer_armed(d);
+                d
+            };
             (deadline, inner_notified(&inner))
         };
         let sleep = async {

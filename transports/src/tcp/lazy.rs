@@ -13,15 +13,14 @@ use std::sync::{Arc, Weak};
 
 use cohort_core::protocol::HandshakeExpectation;
 use cohort_core::work::Rank;
-use tokio::sync::mpsc;
 
 use super::connect::{self, Accepted, HANDSHAKE_TIMEOUT, HandshakeFailure};
-use super::link::{Inbound, Outbound};
+use super::link::{Inbound, LaneRx};
 use super::{Inner, now};
 use crate::net::{Listener, Net};
 
 /// Dials `peer` for the group, then serves the new connections with the given queues.
-pub(crate) type Dialer = Arc<dyn Fn(Arc<Inner>, Rank, Vec<mpsc::UnboundedReceiver<Outbound>>) + Send + Sync>;
+pub(crate) type Dialer = Arc<dyn Fn(Arc<Inner>, Rank, Vec<LaneRx>) + Send + Sync>;
 
 pub(crate) fn dialer<N: Net>(net: N) -> Dialer {
     Arc::new(move |inner, peer, lanes| {
@@ -31,7 +30,7 @@ pub(crate) fn dialer<N: Net>(net: N) -> Dialer {
     })
 }
 
-async fn dial<N: Net>(net: N, inner: Arc<Inner>, peer: Rank, lanes: Vec<mpsc::UnboundedReceiver<Outbound>>) {
+async fn dial<N: Net>(net: N, inner: Arc<Inner>, peer: Rank, lanes: Vec<LaneRx>) {
     let opts = &inner.opts;
     let k = lanes.len() as u16;
     let expect = HandshakeExpectation::new(inner.group_id, inner.rank, inner.world_size)

@@ -1,12 +1,13 @@
 //! One connection to one peer: a reader task that decodes frames and a writer task that sends
 //! them. Both report to the group's driver through channels; neither makes a decision.
 
-use std::io;
+use std::io::{self, Write};
+use std::sync::{Arc, Mutex};
 
 use bytes::Bytes;
 use cohort_core::protocol::{FrameHeader, FrameKind, FrameLimits, HEADER_LEN};
 use cohort_core::work::Rank;
-use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt, BufReader};
+use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
 use tokio::sync::mpsc;
 
 /// Payloads up to this size are copied next to their header and written with one call; larger
@@ -90,30 +91,137 @@ impl Drop for Pooled {
     }
 }
 
+/// Frames up to this size may be written by the thread that sends them (see [`LaneTx`]).
+pub(crate) const DIRECT_LIMIT: usize = COALESCE_LIMIT;
+
+/// Where a frame went.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Sent {
+    /// Queued for the connection's writer task, which reports when it is written.
+    Queued,
+    /// Already on the socket, written by the sending thread (nobody is told later).
+    Written,
+    /// The connection's writer is gone.
+    Gone,
+}
+
+/// One connection as senders see it: the queue of its writer task and, on a real TCP socket,
+/// the socket itself. A small frame with nothing queued ahead of it is written at once by the
+/// thread that sends it, sparing a hop to the writer task (and on two cores, the wake-up that
+/// hop costs); everything else, including what a non-blocking write leaves unwritten, goes
+/// through the queue, so that frames keep their order.
+#[derive(Debug)]
+pub(crate) struct LaneTx {
+    tx: mpsc::UnboundedSender<Outbound>,
+    gate: Arc<Gate>,
+}
+
+/// The writer task's end of a [`LaneTx`].
+#[derive(Debug)]
+pub(crate) struct LaneRx {
+    pub(crate) rx: mpsc::UnboundedReceiver<Outbound>,
+    pub(crate) gate: Arc<Gate>,
+}
+
+/// A new connection queue.
+pub(crate) fn lane() -> (LaneTx, LaneRx) {
+    let (tx, rx) = mpsc::unbounded_channel();
+    let gate = Arc::new(Gate::default());
+    (LaneTx { tx, gate: gate.clone() }, LaneRx { rx, gate })
+}
+
+/// Orders direct writes against the writer task: a frame may be written directly only when
+/// no frame is queued or being written.
+#[derive(Debug, Default)]
+pub(crate) struct Gate(Mutex<GateState>);
+
+#[derive(Debug, Default)]
+struct GateState {
+    /// Frames handed to the writer task and not yet written by it.
+    queued: usize,
+    /// The socket, once known to be a real TCP socket (a duplicate of the writer's).
+    socket: Option<Arc<std::net::TcpStream>>,
+}
+
+impl Gate {
+    fn lock(&self) -> std::sync::MutexGuard<'_, GateState> {
+        self.0.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Let senders write to `socket` themselves (it must be non-blocking).
+    pub(crate) fn open(&self, socket: Arc<std::net::TcpStream>) {
+        self.lock().socket = Some(socket);
+    }
+
+    /// The writer task wrote (or gave up on) `n` queued frames.
+    pub(crate) fn written(&self, n: usize) {
+        let mut g = self.lock();
+        g.queued = g.queued.saturating_sub(n);
+    }
+}
+
+impl LaneTx {
+    /// Write `out` now if `direct` is allowed, it is small and nothing is queued ahead of it;
+    /// else queue it.
+    pub(crate) fn send(&self, mut out: Outbound, direct: bool) -> Sent {
+        let mut g = self.gate.lock();
+        if direct
+            && g.queued == 0
+            && out.payload.len() <= DIRECT_LIMIT
+            && !self.tx.is_closed()
+            && let Some(socket) = g.socket.clone()
+        {
+            let mut frame = Vec::with_capacity(HEADER_LEN + out.payload.len());
+            frame.extend_from_slice(&out.header.encode());
+            frame.extend_from_slice(&out.payload);
+            let mut done = 0;
+            while done < frame.len() {
+                match (&*socket).write(&frame[done..]) {
+                    Ok(0) => break,
+                    Ok(n) => done += n,
+                    Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+                    // Would block, or failed: the writer task takes it from here (and reports
+                    // a failure the way it reports its own).
+                    Err(_) => break,
+                }
+            }
+            if done == frame.len() {
+                return Sent::Written;
+            }
+            out.skip = done;
+        }
+        if self.tx.send(out).is_err() {
+            return Sent::Gone;
+        }
+        g.queued += 1;
+        Sent::Queued
+    }
+}
+
 /// The connections to one peer, as the driver writes to them: one queue per connection.
 /// Large data frames go round robin over them; everything else (control frames, point-to-point
 /// messages, small data frames) keeps to the first, so that its order holds. Data frames may
 /// arrive in any order: the schedule executor places a chunk by its step and sender.
 #[derive(Debug)]
 pub(crate) struct Lanes {
-    lanes: Vec<mpsc::UnboundedSender<Outbound>>,
+    lanes: Vec<LaneTx>,
     next: std::sync::atomic::AtomicUsize,
 }
 
 impl Lanes {
-    pub(crate) fn new(lanes: Vec<mpsc::UnboundedSender<Outbound>>) -> Self {
+    pub(crate) fn new(lanes: Vec<LaneTx>) -> Self {
         Lanes { lanes, next: std::sync::atomic::AtomicUsize::new(0) }
     }
 
-    /// Queue `out` on its connection; false if that connection's writer is gone.
-    pub(crate) fn send(&self, out: Outbound) -> bool {
+    /// Write or queue `out` on its connection (see [`LaneTx::send`] for `direct`).
+    pub(crate) fn send(&self, out: Outbound, direct: bool) -> Sent {
         let n = self.lanes.len();
         let lane = if n > 1 && out.header.kind == FrameKind::Data && out.payload.len() > COALESCE_LIMIT {
             self.next.fetch_add(1, std::sync::atomic::Ordering::Relaxed) % n
         } else {
             0
         };
-        self.lanes.get(lane).is_some_and(|tx| tx.send(out).is_ok())
+        self.lanes.get(lane).map_or(Sent::Gone, |tx| tx.send(out, direct))
     }
 }
 
@@ -183,6 +291,14 @@ pub(crate) struct Outbound {
     pub(crate) header: FrameHeader,
     pub(crate) payload: Bytes,
     pub(crate) written: Option<Written>,
+    /// Bytes of the encoded frame already written by the sender (see [`LaneTx::send`]).
+    pub(crate) skip: usize,
+}
+
+impl Outbound {
+    pub(crate) fn new(header: FrameHeader, payload: Bytes, written: Option<Written>) -> Self {
+        Outbound { header, payload, written, skip: 0 }
+    }
 }
 
 impl std::fmt::Debug for Outbound {
@@ -195,66 +311,185 @@ impl std::fmt::Debug for Outbound {
 /// once nobody listens any more).
 pub(crate) async fn run_reader<R>(
     from: Rank,
-    stream: R,
+    mut stream: R,
     limits: FrameLimits,
     pool: BufferPool,
     mut deliver: impl FnMut(Inbound) -> bool,
 ) where
     R: AsyncRead + Unpin,
 {
-    let mut reader = BufReader::with_capacity(256 * 1024, stream);
-    let mut head = [0u8; HEADER_LEN];
+    let mut asm = Assembler::new(from, limits, pool);
     loop {
-        if let Err(e) = reader.read_exact(&mut head).await {
-            let reason = describe_read_error(&e, true);
-            let _ = deliver(Inbound::Closed { from, reason, clean: false });
-            return;
-        }
-        let header = match FrameHeader::decode(&head, &limits) {
-            Ok(h) => h,
-            Err(e) => {
-                let _ = deliver(Inbound::Closed {
-                    from,
-                    reason: format!("malformed frame from rank {from}: {e}"),
-                    clean: false,
-                });
-                return;
-            }
-        };
-        if header.source != from {
-            let reason = format!("frame on rank {from}'s connection claims to come from rank {}", header.source);
-            let _ = deliver(Inbound::Closed { from, reason, clean: false });
-            return;
-        }
-        // The length was checked against the frame limit by decode.
-        let len = usize::try_from(header.payload_len).unwrap_or(usize::MAX);
-        let mut payload = Vec::new();
-        if len > 0 {
-            payload = match pool.take(len) {
-                Ok(v) => v,
-                Err(e) => {
-                    let _ = deliver(Inbound::Closed {
-                        from,
-                        reason: format!("cannot allocate {len} bytes for a frame from rank {from}: {e}"),
-                        clean: false,
-                    });
+        while let Some(next) = asm.poll_frame() {
+            match next {
+                Ok(frame) => {
+                    if !deliver(frame) {
+                        return; // the driver is gone
+                    }
+                }
+                Err(last) => {
+                    let _ = deliver(last);
                     return;
                 }
-            };
-            if let Err(e) = reader.read_exact(&mut payload).await {
-                let reason = describe_read_error(&e, false);
-                let _ = deliver(Inbound::Closed { from, reason, clean: false });
+            }
+        }
+        match stream.read(asm.read_buf()).await {
+            Ok(0) => {
+                let _ = deliver(asm.eof());
+                return;
+            }
+            Ok(n) => asm.advance(n),
+            Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+            Err(e) => {
+                let _ = deliver(asm.read_error(&e));
                 return;
             }
         }
+    }
+}
+
+/// Bytes a connection's reads are staged in; larger payloads are read straight into their own
+/// buffer.
+const STAGING: usize = 64 * 1024;
+
+/// Turns the bytes of one connection into frames, whatever the reads deliver (sans-IO: the
+/// caller reads into [`Assembler::read_buf`], reports [`Assembler::advance`], then takes what
+/// became complete from [`Assembler::poll_frame`]).
+pub(crate) struct Assembler {
+    from: Rank,
+    limits: FrameLimits,
+    pool: BufferPool,
+    buf: Box<[u8]>,
+    start: usize,
+    end: usize,
+    /// A frame whose header has arrived: its header, its payload buffer, bytes of it filled.
+    partial: Option<(FrameHeader, Vec<u8>, usize)>,
+    /// The last read_buf was the partial payload itself.
+    direct: bool,
+    /// A last frame (goodbye, malformed) was returned: nothing more comes.
+    ended: bool,
+}
+
+impl Assembler {
+    pub(crate) fn new(from: Rank, limits: FrameLimits, pool: BufferPool) -> Self {
+        Assembler {
+            from,
+            limits,
+            pool,
+            buf: vec![0; STAGING].into_boxed_slice(),
+            start: 0,
+            end: 0,
+            partial: None,
+            direct: false,
+            ended: false,
+        }
+    }
+
+    /// The next complete frame, if the bytes read so far hold one. `Err` is the connection's
+    /// last word (a goodbye, or a malformed frame): nothing more comes after it.
+    pub(crate) fn poll_frame(&mut self) -> Option<Result<Inbound, Inbound>> {
+        if self.ended {
+            return None;
+        }
+        loop {
+            if let Some((_, payload, got)) = &mut self.partial {
+                if *got < payload.len() {
+                    let n = (self.end - self.start).min(payload.len() - *got);
+                    if n == 0 {
+                        return None;
+                    }
+                    payload[*got..*got + n].copy_from_slice(&self.buf[self.start..self.start + n]);
+                    self.start += n;
+                    *got += n;
+                    continue;
+                }
+                let (header, payload, _) = self.partial.take()?;
+                return Some(self.complete(header, payload));
+            }
+            if self.end - self.start < HEADER_LEN {
+                return None;
+            }
+            let from = self.from;
+            let mut head = [0u8; HEADER_LEN];
+            head.copy_from_slice(&self.buf[self.start..self.start + HEADER_LEN]);
+            self.start += HEADER_LEN;
+            let header = match FrameHeader::decode(&head, &self.limits) {
+                Ok(h) => h,
+                Err(e) => return Some(self.last(format!("malformed frame from rank {from}: {e}"), false)),
+            };
+            if header.source != from {
+                let claim = header.source;
+                return Some(
+                    self.last(format!("frame on rank {from}'s connection claims to come from rank {claim}"), false),
+                );
+            }
+            // The length was checked against the frame limit by decode.
+            let len = usize::try_from(header.payload_len).unwrap_or(usize::MAX);
+            if len == 0 {
+                return Some(self.complete(header, Vec::new()));
+            }
+            match self.pool.take(len) {
+                Ok(payload) => self.partial = Some((header, payload, 0)),
+                Err(e) => {
+                    return Some(
+                        self.last(format!("cannot allocate {len} bytes for a frame from rank {from}: {e}"), false),
+                    );
+                }
+            }
+        }
+    }
+
+    fn complete(&mut self, header: FrameHeader, payload: Vec<u8>) -> Result<Inbound, Inbound> {
+        let from = self.from;
         if header.kind == FrameKind::Goodbye {
-            let _ =
-                deliver(Inbound::Closed { from, reason: format!("rank {from} closed the connection"), clean: true });
-            return;
+            return self.last(format!("rank {from} closed the connection"), true);
         }
-        if !deliver(Inbound::Frame { from, header, payload }) {
-            return; // the driver is gone
+        Ok(Inbound::Frame { from, header, payload })
+    }
+
+    fn last(&mut self, reason: String, clean: bool) -> Result<Inbound, Inbound> {
+        self.ended = true;
+        Err(Inbound::Closed { from: self.from, reason, clean })
+    }
+
+    /// Where the next read goes (never empty). Call [`Assembler::poll_frame`] until `None`
+    /// first.
+    pub(crate) fn read_buf(&mut self) -> &mut [u8] {
+        let buffered = self.end - self.start;
+        if let Some((_, payload, got)) = &mut self.partial
+            && buffered == 0
+            && payload.len() - *got >= self.buf.len()
+        {
+            self.direct = true;
+            return &mut payload[*got..];
         }
+        self.direct = false;
+        if self.start > 0 {
+            self.buf.copy_within(self.start..self.end, 0);
+            self.end = buffered;
+            self.start = 0;
+        }
+        &mut self.buf[self.end..]
+    }
+
+    /// `n` bytes were read into the last [`Assembler::read_buf`].
+    pub(crate) fn advance(&mut self, n: usize) {
+        match &mut self.partial {
+            Some((_, _, got)) if self.direct => *got += n,
+            _ => self.end = (self.end + n).min(self.buf.len()),
+        }
+    }
+
+    /// What the end of the stream means here.
+    pub(crate) fn eof(&self) -> Inbound {
+        let between = self.partial.is_none() && self.end == self.start;
+        let e = io::Error::from(io::ErrorKind::UnexpectedEof);
+        Inbound::Closed { from: self.from, reason: describe_read_error(&e, between), clean: false }
+    }
+
+    /// What a failed read means here.
+    pub(crate) fn read_error(&self, e: &io::Error) -> Inbound {
+        Inbound::Closed { from: self.from, reason: describe_read_error(e, false), clean: false }
     }
 }
 
@@ -274,23 +509,29 @@ pub(crate) async fn run_writer<W>(
     me: Rank,
     to: Rank,
     mut stream: W,
-    mut rx: mpsc::UnboundedReceiver<Outbound>,
+    lane: LaneRx,
     errors: mpsc::UnboundedSender<Inbound>,
 ) where
     W: AsyncWrite + Unpin,
 {
+    let LaneRx { mut rx, gate } = lane;
     let mut small = Vec::with_capacity(HEADER_LEN + COALESCE_LIMIT);
     let mut notify: Vec<Written> = Vec::new();
     while let Some(first) = rx.recv().await {
+        let mut batch = 0;
         // Coalesce every small frame already queued into one write.
         small.clear();
         let mut next = Some(first);
         let mut result = Ok(());
         while let Some(mut out) = next.take() {
+            batch += 1;
             notify.extend(out.written.take());
-            if out.payload.len() <= COALESCE_LIMIT {
-                small.extend_from_slice(&out.header.encode());
-                small.extend_from_slice(&out.payload);
+            if out.payload.len() <= COALESCE_LIMIT || out.skip > 0 {
+                // A frame the sender began writing itself is small (see DIRECT_LIMIT).
+                let head = out.header.encode();
+                let skip_head = out.skip.min(head.len());
+                small.extend_from_slice(&head[skip_head..]);
+                small.extend_from_slice(out.payload.get(out.skip - skip_head..).unwrap_or_default());
                 if small.len() < COALESCE_LIMIT {
                     next = rx.try_recv().ok();
                 }
@@ -315,6 +556,7 @@ pub(crate) async fn run_writer<W>(
         if result.is_ok() {
             result = stream.flush().await;
         }
+        gate.written(batch);
         let outcome = result.as_ref().map(|_| ()).map_err(|e| format!("write to rank {to} failed: {e}"));
         for done in notify.drain(..) {
             done(outcome.clone());
@@ -356,24 +598,24 @@ mod tests {
     fn frame(kind: FrameKind, len: usize) -> Outbound {
         let mut header = FrameHeader::data(GroupId(0), SeqNo(1), 0, Rank(0), len as u64);
         header.kind = kind;
-        Outbound { header, payload: Bytes::from(vec![0u8; len]), written: None }
+        Outbound::new(header, Bytes::from(vec![0u8; len]), None)
     }
 
     #[test]
     fn large_data_frames_go_round_robin_and_the_rest_keep_to_the_first_connection() {
-        let (txs, mut rxs): (Vec<_>, Vec<_>) = (0..3).map(|_| mpsc::unbounded_channel()).unzip();
+        let (txs, mut rxs): (Vec<_>, Vec<_>) = (0..3).map(|_| lane()).unzip();
         let lanes = Lanes::new(txs);
         let big = COALESCE_LIMIT + 1;
         for _ in 0..6 {
-            assert!(lanes.send(frame(FrameKind::Data, big)));
+            assert_eq!(lanes.send(frame(FrameKind::Data, big), false), Sent::Queued);
         }
-        assert!(lanes.send(frame(FrameKind::Data, 16)));
-        assert!(lanes.send(frame(FrameKind::P2p, big)));
-        assert!(lanes.send(frame(FrameKind::Error, 8)));
-        let counts: Vec<usize> = rxs.iter_mut().map(|rx| std::iter::from_fn(|| rx.try_recv().ok()).count()).collect();
+        assert_eq!(lanes.send(frame(FrameKind::Data, 16), false), Sent::Queued);
+        assert_eq!(lanes.send(frame(FrameKind::P2p, big), false), Sent::Queued);
+        assert_eq!(lanes.send(frame(FrameKind::Error, 8), false), Sent::Queued);
+        let counts: Vec<usize> = rxs.iter_mut().map(|r| std::iter::from_fn(|| r.rx.try_recv().ok()).count()).collect();
         assert_eq!(counts, vec![2 + 3, 2, 2]);
         drop(rxs);
-        assert!(!lanes.send(frame(FrameKind::Data, 16)), "a closed connection refuses");
+        assert_eq!(lanes.send(frame(FrameKind::Data, 16), false), Sent::Gone, "a closed connection refuses");
     }
 
     #[test]
@@ -404,6 +646,149 @@ mod tests {
             pool.give(vec![0; BufferPool::MIN]);
         }
         assert_eq!(pool.0.lock().unwrap().len(), BufferPool::KEEP);
+    }
+
+    fn data(seq: u64, len: usize, fill: u8) -> (FrameHeader, Vec<u8>) {
+        (FrameHeader::data(GroupId(0), SeqNo(seq), 0, Rank(1), len as u64), vec![fill; len])
+    }
+
+    fn wire(frames: &[(FrameHeader, Vec<u8>)]) -> Vec<u8> {
+        frames.iter().flat_map(|(h, p)| h.encode().into_iter().chain(p.iter().copied())).collect()
+    }
+
+    /// Feed `bytes` to an assembler in reads of the given sizes (cycled); every frame and the
+    /// last word, in order.
+    fn assemble(bytes: &[u8], reads: &[usize]) -> (Vec<(FrameHeader, Vec<u8>)>, Option<Inbound>) {
+        let mut asm = Assembler::new(Rank(1), FrameLimits::new(1 << 30), BufferPool::default());
+        let (mut frames, mut at, mut i) = (Vec::new(), 0, 0);
+        loop {
+            while let Some(next) = asm.poll_frame() {
+                match next {
+                    Ok(Inbound::Frame { header, payload, .. }) => frames.push((header, payload)),
+                    Ok(other) => panic!("not a frame: {other:?}"),
+                    Err(last) => return (frames, Some(last)),
+                }
+            }
+            if at == bytes.len() {
+                return (frames, Some(asm.eof()));
+            }
+            let buf = asm.read_buf();
+            let n = reads[i % reads.len()].clamp(1, buf.len()).min(bytes.len() - at);
+            buf[..n].copy_from_slice(&bytes[at..at + n]);
+            asm.advance(n);
+            at += n;
+            i += 1;
+        }
+    }
+
+    fn reason(last: Option<Inbound>) -> (String, bool) {
+        match last {
+            Some(Inbound::Closed { reason, clean, .. }) => (reason, clean),
+            other => panic!("no close: {other:?}"),
+        }
+    }
+
+    #[test]
+    fn the_assembler_rebuilds_frames_from_any_reads_and_names_how_the_stream_ended() {
+        let frames =
+            vec![data(1, 0, 0), data(2, 5, 7), data(3, STAGING * 3 + 11, 9), data(4, 1, 1), data(5, STAGING, 2)];
+        let bytes = wire(&frames);
+        for reads in [&[1usize][..], &[7, 13], &[STAGING], &[usize::MAX], &[HEADER_LEN - 1, 100_000]] {
+            let (got, last) = assemble(&bytes, reads);
+            assert_eq!(got, frames, "reads {reads:?}");
+            assert_eq!(reason(last), ("connection closed (EOF): the peer process exited or crashed".into(), false));
+        }
+        // Cut inside a header, inside a payload.
+        for cut in [bytes.len() - 3, HEADER_LEN + 2] {
+            let (_, last) = assemble(&bytes[..cut], &[4096]);
+            assert_eq!(reason(last).0, "connection closed (EOF) in the middle of a frame");
+        }
+        // A goodbye is a clean last word; nothing after it is read.
+        let mut bye = wire(&frames[..2]);
+        bye.extend_from_slice(&FrameHeader::goodbye(Rank(1)).encode());
+        bye.extend_from_slice(&wire(&frames[2..]));
+        let (got, last) = assemble(&bye, &[3]);
+        assert_eq!(got, frames[..2]);
+        assert_eq!(reason(last), ("rank 1 closed the connection".into(), true));
+        // A frame claiming another sender, and garbage.
+        let (_, last) = assemble(&FrameHeader::heartbeat(Rank(2)).encode(), &[64]);
+        assert_eq!(reason(last).0, "frame on rank 1's connection claims to come from rank 2");
+        let (_, last) = assemble(&[0xAB; HEADER_LEN], &[64]);
+        assert!(reason(last).0.starts_with("malformed frame from rank 1: "));
+    }
+
+    proptest::proptest! {
+        #[test]
+        fn any_split_of_the_stream_gives_the_same_frames(
+            lens in proptest::collection::vec(0usize..3 * STAGING, 0..6),
+            reads in proptest::collection::vec(1usize..2 * STAGING, 1..8),
+        ) {
+            let frames: Vec<_> = lens.iter().enumerate().map(|(i, &n)| data(i as u64, n, i as u8)).collect();
+            let (got, _) = assemble(&wire(&frames), &reads);
+            proptest::prop_assert_eq!(got, frames);
+        }
+    }
+
+    /// A loopback pair of real sockets, the first as tokio's.
+    async fn socket_pair() -> (tokio::net::TcpStream, std::net::TcpStream) {
+        let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let tx = tokio::net::TcpStream::connect(listener.local_addr().unwrap()).await.unwrap();
+        let (rx, _) = listener.accept().unwrap();
+        (tx, rx)
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn direct_writes_and_queued_frames_keep_their_order_even_against_a_full_socket() {
+        let (tx, rx) = socket_pair().await;
+        let std = super::super::socket::duplicate(&tx).unwrap();
+        let tx = Arc::new(tx);
+        let (lane_tx, lane_rx) = lane();
+        lane_rx.gate.open(std.clone());
+        let (err_tx, _err_rx) = mpsc::unbounded_channel();
+        let w = super::super::socket::SharedWrite { tokio: tx, std };
+        let writer = tokio::spawn(run_writer(Rank(1), Rank(0), w, lane_rx, err_tx));
+        // Nobody reads yet: small frames are written directly until the socket is full, and the
+        // one that meets the full buffer (written in part, or not at all) goes to the writer
+        // task; everything after it is queued behind, small or large, and must arrive in order.
+        let mut frames = Vec::new();
+        let mut direct = 0;
+        let mut i = 0u64;
+        loop {
+            let (h, p) = data(i, 1000, i as u8);
+            i += 1;
+            let sent = lane_tx.send(Outbound::new(h, Bytes::from(p.clone()), None), true);
+            frames.push((h, p));
+            match sent {
+                Sent::Written => direct += 1,
+                Sent::Queued => break,
+                Sent::Gone => panic!("the writer is alive"),
+            }
+        }
+        assert!(direct > 0, "the first frames find room in the socket");
+        for j in 0..50u64 {
+            let (h, p) = if j % 5 == 0 {
+                data(i + j, 3 * STAGING, j as u8)
+            } else {
+                data(i + j, (j as usize * 37) % 900, j as u8)
+            };
+            assert_eq!(lane_tx.send(Outbound::new(h, Bytes::from(p.clone()), None), true), Sent::Queued);
+            frames.push((h, p));
+        }
+        drop(lane_tx);
+        let reader = std::thread::spawn(move || {
+            let mut bytes = Vec::new();
+            std::io::Read::read_to_end(&mut &rx, &mut bytes).unwrap();
+            bytes
+        });
+        writer.await.unwrap();
+        let mut want = wire(&frames);
+        want.extend_from_slice(&FrameHeader::goodbye(Rank(1)).encode());
+        let got = tokio::task::spawn_blocking(move || reader.join().unwrap()).await.unwrap();
+        let (got_frames, last) = assemble(&got, &[STAGING]);
+        assert_eq!(got_frames.len(), frames.len());
+        assert!(got_frames == frames, "frames arrive whole and in order");
+        assert!(reason(last).1, "and the goodbye last");
+        assert_eq!(got, want);
     }
 
     fn closed(clean: bool) -> Inbound {

@@ -21,6 +21,7 @@ mod lazy;
 mod link;
 mod monitored;
 mod options;
+mod socket;
 mod sparse;
 mod split;
 mod state;
@@ -39,7 +40,7 @@ use tokio::task::JoinHandle;
 pub use connect::InitError;
 pub use init::{InitConfig, init_process_group, init_process_group_with};
 pub use monitored::{MONITORED_BARRIER_TAG, MonitoredBarrierError};
-pub use options::{EnvError, MAX_CONNECTIONS_PER_PEER, TcpOptions, resolve_bind_addr};
+pub use options::{BUSY_POLL_MAX_BYTES, EnvError, MAX_CONNECTIONS_PER_PEER, TcpOptions, resolve_bind_addr};
 pub use sparse::SparseTensor;
 pub use split::{Lineage, NEXT_GROUP_ID_KEY, SplitError};
 
@@ -82,6 +83,16 @@ pub(crate) struct Inner {
     tallies: Vec<Arc<link::CloseTally>>,
     /// Dials a peer on first use (lazy connection).
     dialer: lazy::Dialer,
+    /// The reading sides of this group's real TCP connections, which a thread waiting for a
+    /// small work may drain itself (see [`socket`]).
+    readers: RwLock<Vec<Arc<socket::FastReader>>>,
+}
+
+/// Effects of inputs run under other locks, to be applied once every lock is released.
+#[derive(Default)]
+pub(crate) struct Deferred {
+    effects: Effects,
+    dials: Vec<(Rank, Vec<link::LaneRx>)>,
 }
 
 impl Inner {
@@ -93,17 +104,51 @@ impl Inner {
 
     /// Run one input under the lock, then perform its effects outside it.
     pub(crate) fn input<T>(self: &Arc<Self>, f: impl FnOnce(&mut DriverState, &mut Effects) -> T) -> T {
-        let mut effects = Effects::default();
-        let (out, dials) = {
-            let mut st = self.lock();
-            let out = f(&mut st, &mut effects);
-            (out, st.take_dial_requests())
-        };
-        for (peer, lanes) in dials {
+        let mut acc = Deferred::default();
+        let out = self.input_into(&mut acc, f);
+        self.finish_inputs(acc);
+        out
+    }
+
+    /// Run one input under the lock, gathering its effects in `acc` for
+    /// [`Inner::finish_inputs`] (for callers that hold another lock).
+    pub(crate) fn input_into<T>(&self, acc: &mut Deferred, f: impl FnOnce(&mut DriverState, &mut Effects) -> T) -> T {
+        let mut st = self.lock();
+        let earlier = std::mem::take(&mut acc.effects.rearm_timer);
+        let out = f(&mut st, &mut acc.effects);
+        acc.effects.rearm_timer = earlier || (acc.effects.rearm_timer && st.timer_needs_wake());
+        acc.dials.extend(st.take_dial_requests());
+        out
+    }
+
+    /// Perform the effects gathered by [`Inner::input_into`]. Call with no lock held.
+    pub(crate) fn finish_inputs(self: &Arc<Self>, acc: Deferred) {
+        for (peer, lanes) in acc.dials {
             (self.dialer)(self.clone(), peer, lanes);
         }
-        self.apply(effects);
-        out
+        self.apply(acc.effects);
+    }
+
+    /// Read what has arrived on every fast connection and feed it, from a thread waiting for a
+    /// work; true if anything was delivered.
+    pub(crate) fn progress(self: &Arc<Self>) -> bool {
+        let mut acc = Deferred::default();
+        let mut delivered = false;
+        {
+            let readers = self.readers.read().unwrap_or_else(|p| p.into_inner());
+            for (r, ready) in readers.iter().zip(socket::readable(&readers)) {
+                if ready {
+                    delivered |= r.drain(self, true, &mut acc);
+                }
+            }
+        }
+        self.finish_inputs(acc);
+        delivered
+    }
+
+    /// A fast connection ended: stop draining it (and let its socket close).
+    pub(crate) fn forget_reader(&self, reader: &Arc<socket::FastReader>) {
+        self.readers.write().unwrap_or_else(|p| p.into_inner()).retain(|r| !Arc::ptr_eq(r, reader));
     }
 
     fn apply(self: &Arc<Self>, effects: Effects) {
@@ -330,6 +375,7 @@ impl ProcessGroup {
         for t in self.inner.tasks.lock().unwrap_or_else(|p| p.into_inner()).drain(..) {
             t.abort();
         }
+        self.inner.readers.write().unwrap_or_else(|p| p.into_inner()).clear();
     }
 
     fn abort_quietly(&self) {
@@ -342,7 +388,18 @@ impl ProcessGroup {
 
     fn submit(&self, collective: Collective, payload: Payload) -> Result<Work, SubmitError> {
         let hook = self.inner.hook.read().unwrap_or_else(|p| p.into_inner()).clone();
-        self.inner.input(|st, fx| st.submit(now(), collective, payload, hook, fx))
+        let bytes: usize =
+            collective.inputs.iter().chain(&collective.outputs).map(|t| t.numel() * t.dtype.size()).sum();
+        let work = self.inner.input(|st, fx| st.submit(now(), collective, payload, hook, fx))?;
+        let busy_poll = self.inner.opts.busy_poll;
+        if !busy_poll.is_zero()
+            && bytes <= BUSY_POLL_MAX_BYTES
+            && !self.inner.readers.read().unwrap_or_else(|p| p.into_inner()).is_empty()
+        {
+            let weak = Arc::downgrade(&self.inner);
+            work.set_progress(Arc::new(move || weak.upgrade().is_some_and(|inner| inner.progress())), busy_poll);
+        }
+        Ok(work)
     }
 
     fn collective(&self, collective: Collective, request: Request) -> Result<Work, SubmitError> {

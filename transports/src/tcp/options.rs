@@ -41,6 +41,10 @@ pub struct TcpOptions {
     pub lazy_connect: bool,
     /// Works the data plane may run at once. Default 64.
     pub max_in_flight: usize,
+    /// How long a thread waiting for a small work (at most [`BUSY_POLL_MAX_BYTES`]) reads the
+    /// sockets itself before it sleeps: the frame that finishes the work then wakes nobody.
+    /// Zero turns it off (every wait sleeps at once). `COHORT_BUSY_POLL_US`, default 50.
+    pub busy_poll: Duration,
     /// Flight-recorder entries kept (0 turns it off). `COHORT_TRACE_BUFFER_SIZE`, as
     /// `TORCH_NCCL_TRACE_BUFFER_SIZE`; default 2000.
     pub trace_buffer_size: usize,
@@ -66,12 +70,16 @@ impl Default for TcpOptions {
             connections_per_peer: 1,
             lazy_connect: false,
             max_in_flight: 64,
+            busy_poll: Duration::from_micros(50),
             trace_buffer_size: 2000,
             dump_prefix: None,
             wall_clock_anchor_ns: None,
         }
     }
 }
+
+/// Largest work (its tensors' bytes) whose waiter busy-polls (see [`TcpOptions::busy_poll`]).
+pub const BUSY_POLL_MAX_BYTES: usize = 64 * 1024;
 
 /// Most connections a pair of ranks may open.
 pub const MAX_CONNECTIONS_PER_PEER: u16 = 16;
@@ -130,6 +138,9 @@ impl TcpOptions {
                 value: level.to_string(),
                 reason: "expected 0 (no handling), 1 (tear down), 2 (clean up only) or 3 (skip clean up)".into(),
             })?;
+        }
+        if let Some(us) = parse_u64("COHORT_BUSY_POLL_US")? {
+            o.busy_poll = Duration::from_micros(us);
         }
         if let Some(n) = parse_u64("COHORT_TRACE_BUFFER_SIZE")? {
             o.trace_buffer_size = usize::try_from(n).unwrap_or(usize::MAX);

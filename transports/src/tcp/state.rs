@@ -14,10 +14,9 @@ use cohort_core::group::{Collective, Completion, ControlMsg, Event, GroupState, 
 use cohort_core::protocol::{Fingerprint, FrameHeader, FrameKind, decode_message, truncate_message};
 use cohort_core::tensor::Tensor;
 use cohort_core::work::{GroupId, Rank, SeqNo, WorkId};
-use tokio::sync::mpsc;
 
 use super::collective::{CollectiveRun, Step};
-use super::link::{Lanes, Outbound};
+use super::link::{LaneRx, LaneTx, Lanes, Outbound, Sent};
 use crate::work::{Work, WorkCompleter};
 
 /// What the user handed in with a work, and what it becomes.
@@ -113,11 +112,14 @@ pub(crate) struct DriverState {
     /// Large frame buffers for reuse, shared with this group's readers.
     pub(crate) pool: super::link::BufferPool,
     /// Peers to dial (lazy connection), with the queues their new connections will write.
-    dial_requests: Vec<(Rank, Vec<mpsc::UnboundedReceiver<Outbound>>)>,
+    dial_requests: Vec<(Rank, Vec<LaneRx>)>,
     /// Writers of connections this rank only reads from (a peer's lanes to it, when it writes
     /// to that peer over connections it dialed itself): closed with the links, so that they
     /// say goodbye too.
-    idle: Vec<mpsc::UnboundedSender<Outbound>>,
+    idle: Vec<LaneTx>,
+    /// The deadline the timer task sleeps until (`None`: none), so that an input wakes it only
+    /// when it moves the next deadline earlier.
+    timer_armed: Option<Instant>,
 }
 
 struct WrittenHook(OnWritten);
@@ -155,6 +157,7 @@ impl DriverState {
             pool: super::link::BufferPool::default(),
             dial_requests: Vec::new(),
             idle: Vec::new(),
+            timer_armed: None,
         }
     }
 
@@ -170,15 +173,35 @@ impl DriverState {
             && !self.group.is_aborted()
             && self.group.failure().is_none()
         {
-            let (txs, rxs): (Vec<_>, Vec<_>) = (0..k).map(|_| mpsc::unbounded_channel()).unzip();
+            let (txs, rxs): (Vec<_>, Vec<_>) = (0..k).map(|_| super::link::lane()).unzip();
             self.writers[to.index()] = Some(Lanes::new(txs));
             self.dial_requests.push((to, rxs));
         }
         self.writers.get(to.index()).and_then(Option::as_ref)
     }
 
+    /// The timer task is about to sleep until `deadline`.
+    pub(crate) fn timer_armed(&mut self, deadline: Option<Instant>) {
+        self.timer_armed = deadline;
+    }
+
+    /// Whether the core's next deadline is earlier than the one the timer task sleeps until
+    /// (then it counts as armed for it: the caller wakes the timer).
+    pub(crate) fn timer_needs_wake(&mut self) -> bool {
+        let next = self.group.poll_timeout();
+        let needed = match (next, self.timer_armed) {
+            (Some(n), Some(armed)) => n < armed,
+            (Some(_), None) => true,
+            (None, _) => false,
+        };
+        if needed {
+            self.timer_armed = next;
+        }
+        needed
+    }
+
     /// Peers to dial now (lazy connection), each with its connections' queues.
-    pub(crate) fn take_dial_requests(&mut self) -> Vec<(Rank, Vec<mpsc::UnboundedReceiver<Outbound>>)> {
+    pub(crate) fn take_dial_requests(&mut self) -> Vec<(Rank, Vec<LaneRx>)> {
         std::mem::take(&mut self.dial_requests)
     }
 
@@ -186,12 +209,7 @@ impl DriverState {
     /// lanes to `peer` yet, they become its lanes (the queues are returned); otherwise this
     /// rank already writes over connections it dialed and only reads from these (`None`).
     /// Either way `peer` now counts as connected.
-    pub(crate) fn accept_lanes(
-        &mut self,
-        now: Instant,
-        peer: Rank,
-        n: usize,
-    ) -> Option<Vec<mpsc::UnboundedReceiver<Outbound>>> {
+    pub(crate) fn accept_lanes(&mut self, now: Instant, peer: Rank, n: usize) -> Option<Vec<LaneRx>> {
         if self.closed.contains_key(&peer) || peer == self.me {
             return None;
         }
@@ -200,14 +218,14 @@ impl DriverState {
         if slot.is_some() {
             return None;
         }
-        let (txs, rxs): (Vec<_>, Vec<_>) = (0..n).map(|_| mpsc::unbounded_channel()).unzip();
+        let (txs, rxs): (Vec<_>, Vec<_>) = (0..n).map(|_| super::link::lane()).unzip();
         *slot = Some(Lanes::new(txs));
         Some(rxs)
     }
 
     /// The queue of a writer with nothing to write but its goodbye.
-    pub(crate) fn idle_writer(&mut self) -> mpsc::UnboundedReceiver<Outbound> {
-        let (tx, rx) = mpsc::unbounded_channel();
+    pub(crate) fn idle_writer(&mut self) -> LaneRx {
+        let (tx, rx) = super::link::lane();
         if !self.group.is_aborted() && self.group.failure().is_none() {
             self.idle.push(tx);
         }
@@ -398,10 +416,16 @@ impl DriverState {
     /// Queue a frame of work `id` for `to`; false if the link is gone.
     fn send_frame(&mut self, id: WorkId, to: Rank, header: FrameHeader, payload: Bytes) -> bool {
         let notify = self.on_written.0.clone();
+        // Written by this thread when this is the only work in flight (a round trip waits on
+        // it); with several, the writer task coalesces their frames into fewer writes.
+        let direct = self.pending.len() <= 1;
         let Some(lanes) = self.lanes_for(to) else { return false };
         let written: super::link::Written = Box::new(move |outcome| notify(id, to, outcome));
-        if !lanes.send(Outbound { header, payload, written: Some(written) }) {
-            return false;
+        match lanes.send(Outbound::new(header, payload, Some(written)), direct) {
+            Sent::Gone => return false,
+            // On the socket already: nothing to wait for.
+            Sent::Written => return true,
+            Sent::Queued => {}
         }
         if let Some(p) = self.pending.get_mut(&id) {
             p.unwritten += 1;
@@ -598,7 +622,7 @@ impl DriverState {
                         (h, Bytes::from(list))
                     }
                 };
-                send(&self.writers, t.to, Outbound { header, payload, written: None });
+                send(&self.writers, t.to, Outbound::new(header, payload, None));
             }
             while let Some(launch) = self.group.poll_launch() {
                 progressed = true;
@@ -624,7 +648,9 @@ impl DriverState {
                 let header = FrameHeader::p2p(self.gid, launch.seq, self.me, *tag, bytes.len() as u64);
                 let peer = *peer;
                 p.data_done = true;
-                if !self.send_frame(id, peer, header, bytes) {
+                if self.send_frame(id, peer, header, bytes) {
+                    self.maybe_complete(now, id); // the frame may be on the socket already
+                } else {
                     let message = format!("connection to rank {peer} is closed");
                     self.group.handle_completion(now, id, Completion::Failed { rank: Some(peer), message });
                 }
@@ -707,5 +733,5 @@ impl DriverState {
 
 /// Queue a frame for `to`; false if the link is gone.
 fn send(writers: &[Option<Lanes>], to: Rank, out: Outbound) -> bool {
-    writers.get(to.index()).and_then(Option::as_ref).is_some_and(|lanes| lanes.send(out))
+    writers.get(to.index()).and_then(Option::as_ref).is_some_and(|lanes| lanes.send(out, false) != Sent::Gone)
 }
