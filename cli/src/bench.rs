@@ -371,9 +371,17 @@ fn value(args: &BenchArgs, r: u32, i: usize) -> f64 {
     f64::from(r + 1) * ((i % 7) as f64 + 1.0)
 }
 
+/// Rank `r`'s input, built a piece at a time (a whole-tensor `f64` staging copy would be the
+/// largest allocation of a large run and distort its peak memory).
 fn input(args: &BenchArgs, r: u32, count: usize) -> Tensor {
-    let v: Vec<f64> = (0..count).map(|i| value(args, r, i)).collect();
-    Tensor::from_f64s(args.dtype, &v)
+    const PIECE: usize = 1 << 14;
+    let es = args.dtype.size();
+    let mut t = Tensor::zeros(args.dtype, &[count]).expect("a 1-d shape is valid");
+    for (p, out) in t.bytes_mut().chunks_mut(PIECE * es).enumerate() {
+        let v: Vec<f64> = (p * PIECE..p * PIECE + out.len() / es).map(|i| value(args, r, i)).collect();
+        out.copy_from_slice(Tensor::from_f64s(args.dtype, &v).bytes());
+    }
+    t
 }
 
 fn reduce_col(args: &BenchArgs, n: u32, i: usize) -> f64 {

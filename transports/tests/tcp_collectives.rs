@@ -107,3 +107,23 @@ async fn allreduce_sparse_sums_duplicate_indices_across_ranks() {
     let err = pgs[0].allreduce_sparse_async(part(0).unwrap(), ReduceOp::Max).await.unwrap_err();
     assert!(err.contains("only sum"), "{err}");
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn collectives_larger_than_the_send_window_finish_exact() {
+    // 24 MiB: each rank's sends to its peer are many more chunks than may be queued at once, so
+    // the schedules pause and resume as their frames are written.
+    let n = 6 << 20;
+    let pgs = common::group(2, common::opts(60)).await;
+    let input = |r: u32| Tensor::from_slice(&(0..n).map(|i| ((i % 1000) as u32 * (r + 1)) as f32).collect::<Vec<_>>());
+    let works: Vec<_> = pgs.iter().map(|pg| pg.allreduce(vec![input(pg.rank().0)], ReduceOp::Sum).unwrap()).collect();
+    let want = Tensor::from_slice(&(0..n).map(|i| ((i % 1000) * 3) as f32).collect::<Vec<_>>());
+    for w in works {
+        let out = tokio::time::timeout(Duration::from_secs(60), w).await.expect("in time").unwrap();
+        assert!(out == vec![want.clone()], "allreduce result differs");
+    }
+    let works: Vec<_> = pgs.iter().map(|pg| pg.broadcast(vec![input(pg.rank().0)], 1).unwrap()).collect();
+    for w in works {
+        let out = tokio::time::timeout(Duration::from_secs(60), w).await.expect("in time").unwrap();
+        assert!(out == vec![input(1)], "broadcast result differs");
+    }
+}

@@ -47,7 +47,15 @@ struct Pending {
     /// A collective's op, dtype and root, sent in every data frame's tag and checked against
     /// what peers send (see [`Fingerprint`]).
     fingerprint: Option<Fingerprint>,
+    /// A collective stopped taking frames to send at [`SEND_WINDOW`]; it goes on as its frames
+    /// are written.
+    throttled: bool,
 }
+
+/// Frames of one collective queued for the writers and not yet written, at most: each is a
+/// copy of a chunk (up to half a MiB), so this bounds what a large collective holds in the
+/// queues (8 MiB) instead of copying all of its sends at once.
+const SEND_WINDOW: usize = 16;
 
 /// Reports that the frames of a work are written: `(work, peer, outcome)`.
 pub(crate) type OnWritten = std::sync::Arc<dyn Fn(WorkId, Rank, Result<(), String>) + Send + Sync>;
@@ -261,7 +269,15 @@ impl DriverState {
         completer.in_group(self.group.config().group_id, self.group.rank());
         self.pending.insert(
             id,
-            Pending { completer, payload, outputs: Vec::new(), unwritten: 0, data_done: false, fingerprint },
+            Pending {
+                completer,
+                payload,
+                outputs: Vec::new(),
+                unwritten: 0,
+                data_done: false,
+                fingerprint,
+                throttled: false,
+            },
         );
         self.drain(now, effects);
         effects.rearm_timer = true;
@@ -363,7 +379,9 @@ impl DriverState {
         let left = *left;
         if let Some(p) = self.pending.get_mut(&id) {
             p.unwritten = p.unwritten.saturating_sub(1);
+            let resume = p.throttled && outcome.is_ok();
             match outcome {
+                Ok(()) if resume => self.after_step(now, id, Ok(())),
                 Ok(()) => self.maybe_complete(now, id),
                 Err(message) => self.group.handle_completion(now, id, Completion::Failed { rank: Some(to), message }),
             }
@@ -541,9 +559,10 @@ impl DriverState {
             }
             Ok(()) => {
                 self.send_outgoing(now, id);
-                let Some(Pending { payload: Payload::Collective { run: Some(run), .. }, .. }) = self.pending.get(&id)
+                let Some(Pending { payload: Payload::Collective { run: Some(run), .. }, throttled: false, .. }) =
+                    self.pending.get(&id)
                 else {
-                    return;
+                    return; // gone, or more to send once frames are written
                 };
                 match run.step() {
                     Step::Done => {
@@ -580,16 +599,24 @@ impl DriverState {
         };
         let fingerprint = *fingerprint;
         let seq = run.seq();
-        let mut out = Vec::new();
-        while let Some(frame) = run.poll_send(&self.pool) {
-            out.push(frame);
-        }
-        for (to, step, bytes) in out {
+        loop {
+            let Some(Pending { payload: Payload::Collective { run: Some(run), .. }, unwritten, throttled, .. }) =
+                self.pending.get_mut(&id)
+            else {
+                return;
+            };
+            if *unwritten >= SEND_WINDOW {
+                *throttled = true;
+                return;
+            }
+            *throttled = false;
+            let Some((to, step, bytes)) = run.poll_send(&self.pool) else { return };
             let mut header = FrameHeader::data(self.gid, seq, step, self.me, bytes.len() as u64);
             header.tag = fingerprint.map_or(0, Fingerprint::to_tag);
             if !self.send_frame(id, to, header, bytes) {
                 let message = format!("connection to rank {to} is closed");
                 self.group.handle_completion(now, id, Completion::Failed { rank: Some(to), message });
+                return;
             }
         }
     }
