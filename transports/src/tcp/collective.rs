@@ -2,7 +2,6 @@
 //! [`ScheduleOp`], core's [`Executor`] runs the plan, and the final buffers become the user's
 //! output tensors.
 
-use bytes::Bytes;
 use cohort_core::reduce::{ReduceOp, Reduction};
 use cohort_core::schedule::{Executor, Plan, PlanOptions, ScheduleOp};
 use cohort_core::tensor::{DType, FlatSlot, HostBuffer, Tensor};
@@ -318,11 +317,14 @@ impl CollectiveRun {
         if self.exec.is_done() { Step::Done } else { Step::Waiting(self.exec.waiting_on()) }
     }
 
-    /// The next chunk to send: (peer, step, bytes).
-    pub(crate) fn poll_send(&mut self, pool: &super::link::BufferPool) -> Option<(Rank, u32, Bytes)> {
-        let out = self.exec.poll_send()?;
-        let bytes = pool.bytes(self.exec.payload(&out));
-        Some((out.to, out.step, bytes))
+    /// The next chunk to send; its bytes are [`CollectiveRun::payload`] until the next call.
+    pub(crate) fn poll_send(&mut self) -> Option<cohort_core::schedule::Outgoing> {
+        self.exec.poll_send()
+    }
+
+    /// The bytes of a chunk from [`CollectiveRun::poll_send`].
+    pub(crate) fn payload(&self, out: &cohort_core::schedule::Outgoing) -> &[u8] {
+        self.exec.payload(out)
     }
 
     /// The output tensors.

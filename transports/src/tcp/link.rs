@@ -27,24 +27,35 @@ impl BufferPool {
     /// Most buffers kept.
     pub(crate) const KEEP: usize = 32;
 
-    /// A buffer of `len` zero bytes, reusing a kept one when it is large enough.
+    /// A buffer of `len` bytes, for a read to fill: a kept one when it is large enough (its old
+    /// bytes are left in place, not cleared: the caller overwrites every one before using it),
+    /// else a fresh zeroed one.
     pub(crate) fn take(&self, len: usize) -> Result<Vec<u8>, std::collections::TryReserveError> {
-        let mut v = self.empty(len);
-        v.try_reserve_exact(len)?;
+        let mut v = self.kept(len);
+        if v.len() >= len {
+            v.truncate(len);
+            return Ok(v);
+        }
+        v.try_reserve_exact(len - v.len())?;
         v.resize(len, 0);
         Ok(v)
     }
 
-    /// An empty buffer, with room for `len` bytes when a kept one has it.
-    fn empty(&self, len: usize) -> Vec<u8> {
+    /// A kept buffer with room for `len` bytes (its contents as they were), else a new empty one.
+    fn kept(&self, len: usize) -> Vec<u8> {
         if len < Self::MIN {
             return Vec::new();
         }
         let mut kept = self.0.lock().unwrap_or_else(|p| p.into_inner());
-        let mut v = match kept.iter().position(|b| b.capacity() >= len) {
+        match kept.iter().position(|b| b.capacity() >= len) {
             Some(i) => kept.swap_remove(i),
             None => Vec::new(),
-        };
+        }
+    }
+
+    /// An empty buffer, with room for `len` bytes when a kept one has it.
+    fn empty(&self, len: usize) -> Vec<u8> {
+        let mut v = self.kept(len);
         v.clear();
         v
     }
@@ -162,40 +173,63 @@ impl Gate {
 
 impl LaneTx {
     /// Write `out` now if `direct` is allowed, it is small and nothing is queued ahead of it;
-    /// else queue it.
-    pub(crate) fn send(&self, mut out: Outbound, direct: bool) -> Sent {
+    /// else queue it (what a direct write leaves unwritten included).
+    pub(crate) fn send(&self, out: Outbound, direct: bool) -> Sent {
+        let direct = direct && out.payload.len() <= DIRECT_LIMIT;
+        let Outbound { header, payload, written, .. } = out;
+        self.send_slice(header, &payload.clone(), written, direct, |rest| payload.slice(payload.len() - rest.len()..))
+    }
+
+    /// Write `header` and `payload` now if `direct` is allowed and nothing is queued ahead of
+    /// them, straight from the caller's memory; queue what is left (or everything) as `own`
+    /// makes it: an owned copy of the bytes it is given.
+    pub(crate) fn send_slice(
+        &self,
+        header: FrameHeader,
+        payload: &[u8],
+        written: Option<Written>,
+        direct: bool,
+        own: impl FnOnce(&[u8]) -> Bytes,
+    ) -> Sent {
         let mut g = self.gate.lock();
+        let head = header.encode();
+        let mut done = 0;
         if direct
             && g.queued == 0
-            && out.payload.len() <= DIRECT_LIMIT
             && !self.tx.is_closed()
             && let Some(socket) = g.socket.clone()
         {
-            let mut frame = Vec::with_capacity(HEADER_LEN + out.payload.len());
-            frame.extend_from_slice(&out.header.encode());
-            frame.extend_from_slice(&out.payload);
-            let mut done = 0;
-            while done < frame.len() {
-                match (&*socket).write(&frame[done..]) {
-                    Ok(0) => break,
-                    Ok(n) => done += n,
-                    Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
-                    // Would block, or failed: the writer task takes it from here (and reports
-                    // a failure the way it reports its own).
-                    Err(_) => break,
-                }
-            }
-            if done == frame.len() {
+            done = write_now(&socket, &head, payload);
+            if done == HEADER_LEN + payload.len() {
                 return Sent::Written;
             }
-            out.skip = done;
         }
-        if self.tx.send(out).is_err() {
+        let skip = done.min(HEADER_LEN);
+        let rest = own(&payload[done - skip..]);
+        if self.tx.send(Outbound { header, payload: rest, written, skip }).is_err() {
             return Sent::Gone;
         }
         g.queued += 1;
         Sent::Queued
     }
+}
+
+/// Write as much of `head` then `payload` as the non-blocking `socket` takes now; the count.
+/// A failure stops it like a full socket: the writer task meets it again and reports it.
+fn write_now(socket: &std::net::TcpStream, head: &[u8], payload: &[u8]) -> usize {
+    let total = head.len() + payload.len();
+    let mut done = 0;
+    while done < total {
+        let (h, p) =
+            if done < head.len() { (&head[done..], payload) } else { (&[][..], &payload[done - head.len()..]) };
+        match (&*socket).write_vectored(&[io::IoSlice::new(h), io::IoSlice::new(p)]) {
+            Ok(0) => break,
+            Ok(n) => done += n,
+            Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+            Err(_) => break,
+        }
+    }
+    done
 }
 
 /// The connections to one peer, as the driver writes to them: one queue per connection.
@@ -215,13 +249,29 @@ impl Lanes {
 
     /// Write or queue `out` on its connection (see [`LaneTx::send`] for `direct`).
     pub(crate) fn send(&self, out: Outbound, direct: bool) -> Sent {
+        self.pick(&out.header, out.payload.len()).map_or(Sent::Gone, |tx| tx.send(out, direct))
+    }
+
+    /// Write or queue a frame from borrowed bytes (see [`LaneTx::send_slice`]).
+    pub(crate) fn send_slice(
+        &self,
+        header: FrameHeader,
+        payload: &[u8],
+        written: Option<Written>,
+        direct: bool,
+        own: impl FnOnce(&[u8]) -> Bytes,
+    ) -> Sent {
+        self.pick(&header, payload.len()).map_or(Sent::Gone, |tx| tx.send_slice(header, payload, written, direct, own))
+    }
+
+    fn pick(&self, header: &FrameHeader, len: usize) -> Option<&LaneTx> {
         let n = self.lanes.len();
-        let lane = if n > 1 && out.header.kind == FrameKind::Data && out.payload.len() > COALESCE_LIMIT {
+        let lane = if n > 1 && header.kind == FrameKind::Data && len > COALESCE_LIMIT {
             self.next.fetch_add(1, std::sync::atomic::Ordering::Relaxed) % n
         } else {
             0
         };
-        self.lanes.get(lane).map_or(Sent::Gone, |tx| tx.send(out, direct))
+        self.lanes.get(lane)
     }
 }
 
@@ -291,7 +341,8 @@ pub(crate) struct Outbound {
     pub(crate) header: FrameHeader,
     pub(crate) payload: Bytes,
     pub(crate) written: Option<Written>,
-    /// Bytes of the encoded frame already written by the sender (see [`LaneTx::send`]).
+    /// Bytes of the header already written by the sender (see [`LaneTx::send_slice`]); then
+    /// `payload` holds only the part of the payload still to write.
     pub(crate) skip: usize,
 }
 
@@ -526,12 +577,9 @@ pub(crate) async fn run_writer<W>(
         while let Some(mut out) = next.take() {
             batch += 1;
             notify.extend(out.written.take());
-            if out.payload.len() <= COALESCE_LIMIT || out.skip > 0 {
-                // A frame the sender began writing itself is small (see DIRECT_LIMIT).
-                let head = out.header.encode();
-                let skip_head = out.skip.min(head.len());
-                small.extend_from_slice(&head[skip_head..]);
-                small.extend_from_slice(out.payload.get(out.skip - skip_head..).unwrap_or_default());
+            if out.payload.len() <= COALESCE_LIMIT {
+                small.extend_from_slice(out.header.encode().get(out.skip..).unwrap_or_default());
+                small.extend_from_slice(&out.payload);
                 if small.len() < COALESCE_LIMIT {
                     next = rx.try_recv().ok();
                 }
@@ -585,7 +633,7 @@ pub(crate) async fn run_writer<W>(
 }
 
 async fn write_large<W: AsyncWrite + Unpin>(stream: &mut W, out: &Outbound) -> io::Result<()> {
-    stream.write_all(&out.header.encode()).await?;
+    stream.write_all(out.header.encode().get(out.skip..).unwrap_or_default()).await?;
     stream.write_all(&out.payload).await
 }
 
@@ -630,7 +678,7 @@ mod tests {
         assert!(b.iter().all(|&x| x == 0), "a small take is fresh and zeroed");
         let c = pool.take(BufferPool::MIN).unwrap();
         assert_eq!(c.as_ptr(), ptr, "the kept buffer comes back");
-        assert!(c.iter().all(|&x| x == 0), "zeroed again");
+        assert_eq!((c.len(), c[0]), (BufferPool::MIN, 7), "as it was: a read overwrites it");
         pool.give(b);
         assert!(pool.0.lock().unwrap().is_empty(), "small buffers are not kept");
         // A pooled Bytes returns its buffer when the last handle drops.

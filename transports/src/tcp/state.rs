@@ -434,21 +434,32 @@ impl DriverState {
     /// Queue a frame of work `id` for `to`; false if the link is gone.
     fn send_frame(&mut self, id: WorkId, to: Rank, header: FrameHeader, payload: Bytes) -> bool {
         let notify = self.on_written.0.clone();
-        // Written by this thread when this is the only work in flight (a round trip waits on
-        // it); with several, the writer task coalesces their frames into fewer writes.
-        let direct = self.pending.len() <= 1;
+        let direct = self.direct();
         let Some(lanes) = self.lanes_for(to) else { return false };
         let written: super::link::Written = Box::new(move |outcome| notify(id, to, outcome));
-        match lanes.send(Outbound::new(header, payload, Some(written)), direct) {
+        let sent = lanes.send(Outbound::new(header, payload, Some(written)), direct);
+        self.count_sent(id, to, sent)
+    }
+
+    /// Whether a sender may write its frames itself: when one work is in flight (a round trip
+    /// waits on it). With several, the writer task coalesces their frames into fewer writes.
+    fn direct(&self) -> bool {
+        self.pending.len() <= 1
+    }
+
+    /// Count a frame of work `id` to `to` that was queued (it must be written before the work
+    /// completes); false if the link is gone.
+    fn count_sent(&mut self, id: WorkId, to: Rank, sent: Sent) -> bool {
+        match sent {
             Sent::Gone => return false,
-            // On the socket already: nothing to wait for.
-            Sent::Written => return true,
-            Sent::Queued => {}
+            Sent::Written => {}
+            Sent::Queued => {
+                if let Some(p) = self.pending.get_mut(&id) {
+                    p.unwritten += 1;
+                }
+                *self.unwritten_to.entry(to).or_default() += 1;
+            }
         }
-        if let Some(p) = self.pending.get_mut(&id) {
-            p.unwritten += 1;
-        }
-        *self.unwritten_to.entry(to).or_default() += 1;
         true
     }
 
@@ -610,10 +621,29 @@ impl DriverState {
                 return;
             }
             *throttled = false;
-            let Some((to, step, bytes)) = run.poll_send(&self.pool) else { return };
-            let mut header = FrameHeader::data(self.gid, seq, step, self.me, bytes.len() as u64);
-            header.tag = fingerprint.map_or(0, Fingerprint::to_tag);
-            if !self.send_frame(id, to, header, bytes) {
+            let Some(out) = run.poll_send() else { return };
+            let to = out.to;
+            // Straight from the collective's buffer when this thread writes it; whatever the
+            // socket does not take now is copied and queued.
+            let direct = self.direct();
+            let sent = match self.lanes_for(to).is_some() {
+                false => Sent::Gone,
+                true => {
+                    let DriverState { writers, pending, pool, on_written, .. } = &*self;
+                    let Some(Pending { payload: Payload::Collective { run: Some(run), .. }, .. }) = pending.get(&id)
+                    else {
+                        return;
+                    };
+                    let bytes = run.payload(&out);
+                    let mut header = FrameHeader::data(self.gid, seq, out.step, self.me, bytes.len() as u64);
+                    header.tag = fingerprint.map_or(0, Fingerprint::to_tag);
+                    let notify = on_written.0.clone();
+                    let written: super::link::Written = Box::new(move |outcome| notify(id, to, outcome));
+                    let lanes = writers.get(to.index()).and_then(Option::as_ref);
+                    lanes.map_or(Sent::Gone, |l| l.send_slice(header, bytes, Some(written), direct, |b| pool.bytes(b)))
+                }
+            };
+            if !self.count_sent(id, to, sent) {
                 let message = format!("connection to rank {to} is closed");
                 self.group.handle_completion(now, id, Completion::Failed { rank: Some(to), message });
                 return;
