@@ -372,3 +372,11 @@ fn every_collective_is_right_and_a_sigkill_is_named_with_lazy_connection() {
     collectives_and_a_sigkill_with(&[("COHORT_LAZY_INIT", "1")]);
     collectives_and_a_sigkill_with(&[("TORCH_GLOO_LAZY_INIT", "1"), ("COHORT_CONNECTIONS_PER_PEER", "2")]);
 }
+
+#[test]
+fn every_collective_is_right_and_a_sigkill_is_named_with_busy_poll_off_and_long() {
+    // The default (50 µs) runs in every other test here; 0 leaves all reading to the reader
+    // tasks, 2 ms makes waiting threads read almost everything themselves.
+    collectives_and_a_sigkill_with(&[("COHORT_BUSY_POLL_US", "0")]);
+    collectives_and_a_sigkill_with(&[("COHORT_BUSY_POLL_US", "2000")]);
+}

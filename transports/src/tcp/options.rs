@@ -43,7 +43,9 @@ pub struct TcpOptions {
     pub max_in_flight: usize,
     /// How long a thread waiting for a small work (at most [`BUSY_POLL_MAX_BYTES`]) reads the
     /// sockets itself before it sleeps: the frame that finishes the work then wakes nobody.
-    /// Zero turns it off (every wait sleeps at once). `COHORT_BUSY_POLL_US`, default 50.
+    /// Zero turns it off (every wait sleeps at once). `COHORT_BUSY_POLL_US`; default 50, but
+    /// off when `LOCAL_WORLD_SIZE` (set by `cohort launch`, torchrun and `cohort bench`) says
+    /// this host runs more ranks than it has cores.
     pub busy_poll: Duration,
     /// Flight-recorder entries kept (0 turns it off). `COHORT_TRACE_BUFFER_SIZE`, as
     /// `TORCH_NCCL_TRACE_BUFFER_SIZE`; default 2000.
@@ -139,9 +141,16 @@ impl TcpOptions {
                 reason: "expected 0 (no handling), 1 (tear down), 2 (clean up only) or 3 (skip clean up)".into(),
             })?;
         }
-        if let Some(us) = parse_u64("COHORT_BUSY_POLL_US")? {
-            o.busy_poll = Duration::from_micros(us);
-        }
+        o.busy_poll = match parse_u64("COHORT_BUSY_POLL_US")? {
+            Some(us) => Duration::from_micros(us),
+            None => {
+                // More ranks on this host than cores: a spinning rank would take the core a peer
+                // needs to answer it (as MPI yields when oversubscribed).
+                let local = parse_u64("LOCAL_WORLD_SIZE").ok().flatten().unwrap_or(1);
+                let cores = std::thread::available_parallelism().map_or(1, |n| n.get() as u64);
+                if local > cores { Duration::ZERO } else { o.busy_poll }
+            }
+        };
         if let Some(n) = parse_u64("COHORT_TRACE_BUFFER_SIZE")? {
             o.trace_buffer_size = usize::try_from(n).unwrap_or(usize::MAX);
         }
