@@ -775,6 +775,22 @@ mod tests {
             let (got, _) = assemble(&wire(&frames), &reads);
             proptest::prop_assert_eq!(got, frames);
         }
+
+        #[test]
+        fn whatever_a_peer_sends_ends_in_frames_and_one_last_word_never_a_panic(
+            valid in proptest::collection::vec(0usize..2000, 0..3),
+            garbage in proptest::collection::vec(proptest::num::u8::ANY, 0..4 * HEADER_LEN),
+            reads in proptest::collection::vec(1usize..4096, 1..4),
+        ) {
+            let frames: Vec<_> = valid.iter().enumerate().map(|(i, &n)| data(i as u64, n, 1)).collect();
+            let mut bytes = wire(&frames);
+            bytes.extend_from_slice(&garbage);
+            let (got, last) = assemble(&bytes, &reads);
+            proptest::prop_assert!(got.len() >= frames.len());
+            proptest::prop_assert_eq!(&got[..frames.len()], &frames[..]);
+            let closed = matches!(last, Some(Inbound::Closed { .. }));
+            proptest::prop_assert!(closed, "the stream ends with a close");
+        }
     }
 
     /// A loopback pair of real sockets, the first as tokio's.
