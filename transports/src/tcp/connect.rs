@@ -189,6 +189,10 @@ impl ProcessGroup {
         }
         let lazy = opts.lazy_connect.then_some(k);
         let inner = Arc::new_cyclic(|weak: &std::sync::Weak<Inner>| {
+            let progress: crate::work::ProgressFn = {
+                let weak = weak.clone();
+                Arc::new(move || weak.upgrade().is_some_and(|inner| inner.progress()))
+            };
             let weak = weak.clone();
             let on_written: super::state::OnWritten = Arc::new(move |id, to, outcome| {
                 if let Some(inner) = weak.upgrade() {
@@ -213,6 +217,7 @@ impl ProcessGroup {
                 tallies,
                 dialer: super::lazy::dialer(net.clone()),
                 readers: RwLock::new(Vec::new()),
+                progress,
             }
         });
         for (peer, stream, rx) in attached {

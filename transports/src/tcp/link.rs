@@ -103,7 +103,7 @@ impl Drop for Pooled {
 }
 
 /// Frames up to this size may be written by the thread that sends them (see [`LaneTx`]).
-pub(crate) const DIRECT_LIMIT: usize = COALESCE_LIMIT;
+const DIRECT_LIMIT: usize = COALESCE_LIMIT;
 
 /// Where a frame went.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -177,7 +177,7 @@ impl LaneTx {
     pub(crate) fn send(&self, out: Outbound, direct: bool) -> Sent {
         let direct = direct && out.payload.len() <= DIRECT_LIMIT;
         let Outbound { header, payload, written, .. } = out;
-        self.send_slice(header, &payload.clone(), written, direct, |rest| payload.slice(payload.len() - rest.len()..))
+        self.send_slice(header, &payload, written, direct, |rest| payload.slice(payload.len() - rest.len()..))
     }
 
     /// Write `header` and `payload` now if `direct` is allowed and nothing is queued ahead of
@@ -249,22 +249,11 @@ impl Lanes {
 
     /// Write or queue `out` on its connection (see [`LaneTx::send`] for `direct`).
     pub(crate) fn send(&self, out: Outbound, direct: bool) -> Sent {
-        self.pick(&out.header, out.payload.len()).map_or(Sent::Gone, |tx| tx.send(out, direct))
+        self.lane_for(&out.header, out.payload.len()).map_or(Sent::Gone, |tx| tx.send(out, direct))
     }
 
-    /// Write or queue a frame from borrowed bytes (see [`LaneTx::send_slice`]).
-    pub(crate) fn send_slice(
-        &self,
-        header: FrameHeader,
-        payload: &[u8],
-        written: Option<Written>,
-        direct: bool,
-        own: impl FnOnce(&[u8]) -> Bytes,
-    ) -> Sent {
-        self.pick(&header, payload.len()).map_or(Sent::Gone, |tx| tx.send_slice(header, payload, written, direct, own))
-    }
-
-    fn pick(&self, header: &FrameHeader, len: usize) -> Option<&LaneTx> {
+    /// The connection a frame with `header` and a payload of `len` bytes goes on.
+    pub(crate) fn lane_for(&self, header: &FrameHeader, len: usize) -> Option<&LaneTx> {
         let n = self.lanes.len();
         let lane = if n > 1 && header.kind == FrameKind::Data && len > COALESCE_LIMIT {
             self.next.fetch_add(1, std::sync::atomic::Ordering::Relaxed) % n

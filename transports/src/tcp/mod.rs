@@ -86,6 +86,8 @@ pub(crate) struct Inner {
     /// The reading sides of this group's real TCP connections, which a thread waiting for a
     /// small work may drain itself (see [`socket`]).
     readers: RwLock<Vec<Arc<socket::FastReader>>>,
+    /// [`Inner::progress`] as a work's progress function (one for every work of the group).
+    progress: crate::work::ProgressFn,
 }
 
 /// Effects of inputs run under other locks, to be applied once every lock is released.
@@ -396,8 +398,7 @@ impl ProcessGroup {
             && bytes <= BUSY_POLL_MAX_BYTES
             && !self.inner.readers.read().unwrap_or_else(|p| p.into_inner()).is_empty()
         {
-            let weak = Arc::downgrade(&self.inner);
-            work.set_progress(Arc::new(move || weak.upgrade().is_some_and(|inner| inner.progress())), busy_poll);
+            work.set_progress(self.inner.progress.clone(), busy_poll);
         }
         Ok(work)
     }

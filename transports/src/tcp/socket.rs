@@ -181,16 +181,13 @@ impl FastReader {
 /// Which of `readers` have bytes (or an end) waiting, asked of the kernel in one `poll(2)`
 /// that takes no socket lock: a waiting thread spinning on `recv` itself would contend with
 /// the peer's packets for the lock of the very socket it waits on.
-pub(crate) fn readable(readers: &[Arc<FastReader>]) -> Vec<bool> {
+pub(crate) fn readable(readers: &[Arc<FastReader>]) -> impl Iterator<Item = bool> {
     let mut fds: Vec<libc::pollfd> =
         readers.iter().map(|r| libc::pollfd { fd: r.raw_fd(), events: libc::POLLIN, revents: 0 }).collect();
     // SAFETY: `fds` is a live array of `fds.len()` pollfd structs, and every descriptor in it is
     // held open by its reader, which `readers` borrows for the whole call.
     let n = unsafe { libc::poll(fds.as_mut_ptr(), fds.len() as libc::nfds_t, 0) };
-    if n <= 0 {
-        return vec![false; fds.len()];
-    }
-    fds.iter().map(|p| p.revents != 0).collect()
+    fds.into_iter().map(move |p| n > 0 && p.revents != 0)
 }
 
 /// The reader task of a fast connection: wait until the socket is readable, drain it, repeat

@@ -639,8 +639,9 @@ impl DriverState {
                     header.tag = fingerprint.map_or(0, Fingerprint::to_tag);
                     let notify = on_written.0.clone();
                     let written: super::link::Written = Box::new(move |outcome| notify(id, to, outcome));
-                    let lanes = writers.get(to.index()).and_then(Option::as_ref);
-                    lanes.map_or(Sent::Gone, |l| l.send_slice(header, bytes, Some(written), direct, |b| pool.bytes(b)))
+                    let lane =
+                        writers.get(to.index()).and_then(Option::as_ref).and_then(|l| l.lane_for(&header, bytes.len()));
+                    lane.map_or(Sent::Gone, |l| l.send_slice(header, bytes, Some(written), direct, |b| pool.bytes(b)))
                 }
             };
             if !self.count_sent(id, to, sent) {
