@@ -127,14 +127,32 @@ pub type CompletionHook = Arc<dyn Fn(&WorkInfo) + Send + Sync>;
 /// Asks the runtime to abort a work.
 pub type AbortFn = Box<dyn Fn(&str) + Send + Sync>;
 
-/// Moves a work on from the thread that waits for it; true if it did anything.
-pub(crate) type ProgressFn = Arc<dyn Fn() -> bool + Send + Sync>;
+/// Moves works on from a thread that waits for one (see [`Work::set_progress`]), and learns
+/// who waits.
+pub(crate) trait Progress: Send + Sync {
+    /// A thread starts polling; for how long at most.
+    fn begin(&self) -> Duration;
+    /// Read what has arrived and feed it; whether anything was delivered, or `None` if the
+    /// thread had better stop polling and sleep.
+    fn poll(&self) -> Option<bool>;
+    /// The thread stops polling; `finished`: its work ended.
+    fn stop(&self, finished: bool);
+    /// Someone (a thread, a task) starts waiting for the runtime to finish a work.
+    fn sleep(&self);
+    /// It stopped waiting after `time`; `polled`: it had polled for all the time granted before.
+    fn woke(&self, time: Duration, polled: bool);
+}
+
+/// A group's [`Progress`], shared by its works.
+pub(crate) type ProgressFn = Arc<dyn Progress>;
 
 struct Slot {
     summary: Option<WorkSummary>,
     outputs: Option<Vec<Tensor>>,
     dropped: bool,
     wakers: Vec<Waker>,
+    /// A future waits for the work, counted by [`Progress::sleep`].
+    relied: bool,
 }
 
 struct Shared {
@@ -146,7 +164,8 @@ struct Shared {
     cond: Condvar,
     abort: Mutex<Option<AbortFn>>,
     /// How a waiting thread may move the work on itself, and for how long it tries.
-    progress: std::sync::OnceLock<(ProgressFn, Duration)>,
+    /// The group's progress function, and whether a waiting thread polls with it.
+    progress: std::sync::OnceLock<(ProgressFn, bool)>,
     /// The work's `tracing` span, from submit to finish.
     span: tracing::Span,
 }
@@ -156,6 +175,13 @@ impl Shared {
         // A poisoned lock means a waiter panicked while holding it; the slot is still
         // consistent (every write is a single assignment), so keep going.
         self.slot.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// The work ended: the futures that waited for it (counted once, if any) stop waiting.
+    fn futures_done(&self, relied: bool) {
+        if relied && let Some((p, _)) = self.progress.get() {
+            p.woke(Duration::ZERO, false);
+        }
     }
 }
 
@@ -181,7 +207,7 @@ impl Work {
             seq,
             id,
             source_rank: Mutex::new(None),
-            slot: Mutex::new(Slot { summary: None, outputs: None, dropped: false, wakers: Vec::new() }),
+            slot: Mutex::new(Slot { summary: None, outputs: None, dropped: false, wakers: Vec::new(), relied: false }),
             cond: Condvar::new(),
             abort: Mutex::new(None),
             progress: std::sync::OnceLock::new(),
@@ -251,47 +277,83 @@ impl Work {
         *self.shared.abort.lock().unwrap_or_else(|p| p.into_inner()) = Some(f);
     }
 
-    /// Let a thread that waits for this work move it on itself for up to `budget` before it
-    /// sleeps: `progress` does what the runtime's tasks would (reads what has arrived and feeds
-    /// it) and says whether it did anything. The frame that finishes the work then wakes nobody.
-    pub(crate) fn set_progress(&self, progress: ProgressFn, budget: Duration) {
-        let _ = self.shared.progress.set((progress, budget));
+    /// Tell `progress` who waits for this work, and, if `poll`, let a thread that waits move
+    /// the work on itself for a while before it sleeps: `progress` does what the runtime's
+    /// tasks would (reads what has arrived and feeds it). The frame that finishes the work then
+    /// wakes nobody.
+    pub(crate) fn set_progress(&self, progress: ProgressFn, poll: bool) {
+        let _ = self.shared.progress.set((progress, poll));
     }
 
-    /// Run the work's progress function until it ends or the budget is spent.
-    fn busy_poll(&self) {
-        let Some((progress, budget)) = self.shared.progress.get() else { return };
+    /// Run the work's progress function until the work ends, the time it grants is spent or
+    /// it says to stop; true if the time was spent.
+    fn busy_poll(&self, progress: &ProgressFn) -> bool {
+        let budget = progress.begin();
         let start = std::time::Instant::now();
-        while !self.is_completed() && start.elapsed() < *budget {
-            if !progress() {
-                std::hint::spin_loop();
+        let mut spent = true;
+        while !self.is_completed() && start.elapsed() < budget {
+            match progress.poll() {
+                Some(true) => {}
+                Some(false) => std::hint::spin_loop(),
+                None => {
+                    spent = false;
+                    std::thread::yield_now();
+                }
             }
         }
+        progress.stop(self.is_completed());
+        spent
     }
 
     /// Block until the work ends; `Ok` if it succeeded.
     pub fn wait(&self) -> Result<(), WorkError> {
-        self.busy_poll();
+        let progress = self.shared.progress.get();
+        let polled = match progress {
+            Some((progress, true)) => self.busy_poll(progress),
+            _ => false,
+        };
         let mut slot = self.shared.lock();
+        if slot.summary.is_some() || slot.dropped {
+            return self.outcome(&slot);
+        }
+        let asleep = progress.map(|(p, _)| {
+            p.sleep();
+            (p, std::time::Instant::now())
+        });
         while slot.summary.is_none() && !slot.dropped {
             slot = self.shared.cond.wait(slot).unwrap_or_else(|p| p.into_inner());
         }
-        self.outcome(&slot)
+        let outcome = self.outcome(&slot);
+        drop(slot);
+        if let Some((p, since)) = asleep {
+            p.woke(since.elapsed(), polled);
+        }
+        outcome
     }
 
     /// Block at most `timeout`. The work goes on after [`WorkError::WaitTimedOut`] (its own
     /// deadline is the watchdog's business).
     pub fn wait_timeout(&self, timeout: Duration) -> Result<(), WorkError> {
+        let asleep = self.shared.progress.get().map(|(p, _)| {
+            p.sleep();
+            (p, std::time::Instant::now())
+        });
         let slot = self.shared.lock();
         let (slot, _) = self
             .shared
             .cond
             .wait_timeout_while(slot, timeout, |s| s.summary.is_none() && !s.dropped)
             .unwrap_or_else(|p| p.into_inner());
-        if slot.summary.is_none() && !slot.dropped {
-            return Err(WorkError::WaitTimedOut { op: self.shared.op, seq: self.shared.seq, waited: timeout });
+        let outcome = if slot.summary.is_none() && !slot.dropped {
+            Err(WorkError::WaitTimedOut { op: self.shared.op, seq: self.shared.seq, waited: timeout })
+        } else {
+            self.outcome(&slot)
+        };
+        drop(slot);
+        if let Some((p, since)) = asleep {
+            p.woke(since.elapsed(), false);
         }
-        self.outcome(&slot)
+        outcome
     }
 
     /// Whether the work has ended (successfully or not).
@@ -388,6 +450,12 @@ impl Future for Work {
             if !slot.wakers.iter().any(|w| w.will_wake(cx.waker())) {
                 slot.wakers.push(cx.waker().clone());
             }
+            if let Some((p, _)) = self.shared.progress.get()
+                && !std::mem::replace(&mut slot.relied, true)
+            {
+                drop(slot);
+                p.sleep();
+            }
             return Poll::Pending;
         }
         let outcome = self.outcome(&slot);
@@ -449,15 +517,16 @@ impl WorkCompleter {
                 tracing::warn!(result = %summary.result, "work failed");
             }
         });
-        let wakers = {
+        let (wakers, relied) = {
             let mut slot = self.shared.lock();
             slot.summary = Some(summary);
             slot.outputs = Some(outputs);
-            std::mem::take(&mut slot.wakers)
+            (std::mem::take(&mut slot.wakers), std::mem::take(&mut slot.relied))
         };
         self.done = true;
         self.shared.cond.notify_all();
         wakers.into_iter().for_each(Waker::wake);
+        self.shared.futures_done(relied);
         if let Some(hook) = &self.hook {
             hook(&info);
         }
@@ -469,13 +538,14 @@ impl Drop for WorkCompleter {
         if self.done {
             return;
         }
-        let wakers = {
+        let (wakers, relied) = {
             let mut slot = self.shared.lock();
             slot.dropped = true;
-            std::mem::take(&mut slot.wakers)
+            (std::mem::take(&mut slot.wakers), std::mem::take(&mut slot.relied))
         };
         self.shared.cond.notify_all();
         wakers.into_iter().for_each(Waker::wake);
+        self.shared.futures_done(relied);
     }
 }
 

@@ -50,3 +50,56 @@ fn waiting_threads_and_reader_tasks_share_the_sockets_without_losing_or_reorderi
         t.join().expect("a rank thread");
     }
 }
+
+/// After a run of polled works the connections' epoll sets are left unarmed (the waiting threads
+/// read); a work that nobody polls for must still complete: one that nobody waits for at all,
+/// one awaited as a future, one too large to poll for, and one waited with a timeout.
+#[test]
+fn works_nobody_polls_for_complete_after_polled_ones() {
+    let runtime = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().unwrap();
+    let pgs = runtime.block_on(common::connect_each(vec![with_busy_poll(1_000_000), with_busy_poll(1_000_000)]));
+    let pgs: Vec<_> = pgs.into_iter().map(|r| r.expect("connect")).collect();
+    let handle = runtime.handle().clone();
+    let threads: Vec<_> = pgs
+        .into_iter()
+        .map(|pg| {
+            let handle = handle.clone();
+            std::thread::spawn(move || {
+                let me = pg.rank().0 as f32;
+                let polled = |i: usize| {
+                    for _ in 0..i {
+                        let out =
+                            pg.allreduce(vec![Tensor::from_slice(&[me])], ReduceOp::Sum).unwrap().result().unwrap();
+                        assert_eq!(out, vec![Tensor::from_slice(&[1.0f32])]);
+                    }
+                };
+                polled(100);
+                // Nobody waits: only the reader task can finish it.
+                let work = pg.allreduce(vec![Tensor::from_slice(&[me])], ReduceOp::Sum).unwrap();
+                let start = std::time::Instant::now();
+                while !work.is_completed() {
+                    assert!(
+                        start.elapsed() < Duration::from_secs(10),
+                        "rank {me}: a work nobody waited for never ended"
+                    );
+                    std::thread::sleep(Duration::from_millis(1));
+                }
+                assert_eq!(work.result().unwrap(), vec![Tensor::from_slice(&[1.0f32])]);
+                polled(50);
+                let work = pg.allreduce(vec![Tensor::from_slice(&[me])], ReduceOp::Sum).unwrap();
+                assert_eq!(handle.block_on(work).unwrap(), vec![Tensor::from_slice(&[1.0f32])], "awaited");
+                polled(50);
+                let n = BUSY_POLL_MAX_BYTES; // floats: four times the limit
+                let big = pg.allreduce(vec![Tensor::from_slice(&vec![me; n])], ReduceOp::Sum).unwrap();
+                assert_eq!(big.result().unwrap(), vec![Tensor::from_slice(&vec![1.0f32; n])], "large");
+                polled(50);
+                let work = pg.allreduce(vec![Tensor::from_slice(&[me])], ReduceOp::Sum).unwrap();
+                work.wait_timeout(Duration::from_secs(10)).expect("a timed wait");
+                pg.shutdown();
+            })
+        })
+        .collect();
+    for t in threads {
+        t.join().expect("a rank thread");
+    }
+}

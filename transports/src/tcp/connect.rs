@@ -189,10 +189,8 @@ impl ProcessGroup {
         }
         let lazy = opts.lazy_connect.then_some(k);
         let inner = Arc::new_cyclic(|weak: &std::sync::Weak<Inner>| {
-            let progress: crate::work::ProgressFn = {
-                let weak = weak.clone();
-                Arc::new(move || weak.upgrade().is_some_and(|inner| inner.progress()))
-            };
+            let progress: crate::work::ProgressFn = Arc::new(super::Poller(weak.clone()));
+            let polling = Mutex::new(super::Polling::new(opts.busy_poll));
             let weak = weak.clone();
             let on_written: super::state::OnWritten = Arc::new(move |id, to, outcome| {
                 if let Some(inner) = weak.upgrade() {
@@ -217,6 +215,7 @@ impl ProcessGroup {
                 tallies,
                 dialer: super::lazy::dialer(net.clone()),
                 readers: RwLock::new(Vec::new()),
+                polling,
                 progress,
             }
         });
@@ -247,11 +246,26 @@ where
     if let Some(tcp) = (&mut slot as &mut dyn std::any::Any).downcast_mut::<Option<tokio::net::TcpStream>>()
         && let Some(tcp) = tcp.take()
     {
-        match socket::duplicate(&tcp) {
-            Ok(std) => attach_fast(inner, peer, tcp, std, rx),
-            Err(e) => {
+        let taken = {
+            let _runtime = inner.runtime.enter();
+            socket::take(tcp)
+        };
+        match taken {
+            Ok(fast) => attach_fast(inner, peer, fast, rx),
+            Err((e, Some(tcp))) => {
                 tracing::debug!(%peer, "no fast path for this connection ({e})");
                 attach_generic(inner, peer, tcp, rx);
+            }
+            Err((e, None)) => {
+                let Some(tally) = inner.tallies.get(peer.index()) else { return };
+                let closed = link::Inbound::Closed {
+                    from: peer,
+                    reason: format!("could not take the socket: {e}"),
+                    clean: false,
+                };
+                if tally.pass(&closed) {
+                    inner.input(|st, fx| deliver(st, fx, closed));
+                }
             }
         }
         return;
@@ -286,23 +300,17 @@ where
     inner.tasks.lock().unwrap_or_else(|p| p.into_inner()).push(reader);
 }
 
-fn attach_fast(
-    inner: &Arc<Inner>,
-    peer: Rank,
-    tcp: tokio::net::TcpStream,
-    std: Arc<std::net::TcpStream>,
-    rx: link::LaneRx,
-) {
+fn attach_fast(inner: &Arc<Inner>, peer: Rank, fast: socket::FastSocket, rx: link::LaneRx) {
     let Some(tally) = inner.tallies.get(peer.index()).cloned() else { return };
-    let tcp = Arc::new(tcp);
+    let fast = Arc::new(fast);
     let limits = FrameLimits::new(inner.opts.max_frame);
     let pool = inner.lock().pool.clone();
     let asm = link::Assembler::new(peer, limits, pool);
-    let reader = Arc::new(socket::FastReader::new(tcp.clone(), std.clone(), asm, tally.clone()));
+    let reader = Arc::new(socket::FastReader::new(fast.clone(), asm, tally.clone()));
     inner.readers.write().unwrap_or_else(|p| p.into_inner()).push(reader.clone());
-    rx.gate.open(std.clone());
+    rx.gate.open(fast.std());
     let err_tx = spawn_error_relay(inner, tally);
-    let w = socket::SharedWrite { tokio: tcp, std };
+    let w = socket::SharedWrite(fast);
     let writer = inner.runtime.spawn(link::run_writer(inner.rank, peer, w, rx, err_tx));
     let reader = inner.runtime.spawn(socket::run_reader(reader, Arc::downgrade(inner), peer));
     inner.writers.lock().unwrap_or_else(|p| p.into_inner()).push(writer);

@@ -793,12 +793,11 @@ mod tests {
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn direct_writes_and_queued_frames_keep_their_order_even_against_a_full_socket() {
         let (tx, rx) = socket_pair().await;
-        let std = super::super::socket::duplicate(&tx).unwrap();
-        let tx = Arc::new(tx);
+        let fast = Arc::new(super::super::socket::take(tx).map_err(|(e, _)| e).unwrap());
         let (lane_tx, lane_rx) = lane();
-        lane_rx.gate.open(std.clone());
+        lane_rx.gate.open(fast.std());
         let (err_tx, _err_rx) = mpsc::unbounded_channel();
-        let w = super::super::socket::SharedWrite { tokio: tx, std };
+        let w = super::super::socket::SharedWrite(fast);
         let writer = tokio::spawn(run_writer(Rank(1), Rank(0), w, lane_rx, err_tx));
         // Nobody reads yet: small frames are written directly until the socket is full, and the
         // one that meets the full buffer (written in part, or not at all) goes to the writer

@@ -86,8 +86,99 @@ pub(crate) struct Inner {
     /// The reading sides of this group's real TCP connections, which a thread waiting for a
     /// small work may drain itself (see [`socket`]).
     readers: RwLock<Vec<Arc<socket::FastReader>>>,
-    /// [`Inner::progress`] as a work's progress function (one for every work of the group).
+    /// How many threads are polling the readers, and when the last one finished its work.
+    polling: Mutex<Polling>,
+    /// [`Inner::progress`] and friends as a work's progress function (one for every work of
+    /// the group).
     progress: crate::work::ProgressFn,
+}
+
+/// Who waits for a group's works, for its fast connections (see [`socket::FastReader`]):
+/// threads polling the sockets, and threads or tasks sleeping until the runtime ends a work;
+/// and for how long a thread may poll.
+///
+/// The time adapts: a thread that stopped polling and then slept less than it had polled
+/// would have done better to poll on (its sleep cost two wake-ups, and on a busy host the
+/// wake-ups are what is slow: the peer, polling meanwhile, gives up in turn, and the two ranks
+/// take turns sleeping). Such a short sleep doubles the time, up to [`MAX_POLL_FACTOR`] times
+/// [`TcpOptions::busy_poll`]; a sleep longer than the time halves it, down to that setting.
+#[derive(Debug)]
+pub(crate) struct Polling {
+    active: usize,
+    sleepers: usize,
+    last_finished: Option<std::time::Instant>,
+    base: std::time::Duration,
+    budget: std::time::Duration,
+}
+
+/// How far [`Polling`] may raise the time a waiting thread polls, over the setting.
+pub(crate) const MAX_POLL_FACTOR: u32 = 16;
+
+impl Polling {
+    pub(crate) fn new(base: std::time::Duration) -> Self {
+        Polling { active: 0, sleepers: 0, last_finished: None, base, budget: base }
+    }
+
+    fn adapt(&mut self, slept: std::time::Duration) {
+        self.budget = if slept < self.budget {
+            (self.budget * 2).min(self.base * MAX_POLL_FACTOR)
+        } else {
+            (self.budget / 2).max(self.base)
+        };
+    }
+
+    /// Whether the reader tasks must listen now: someone sleeps and nobody polls for them.
+    fn relied_on(&self) -> bool {
+        self.sleepers > 0 && self.active == 0
+    }
+}
+
+/// [`Inner`]'s side of [`crate::work::Progress`].
+pub(crate) struct Poller(pub(crate) std::sync::Weak<Inner>);
+
+impl crate::work::Progress for Poller {
+    fn begin(&self) -> std::time::Duration {
+        let Some(inner) = self.0.upgrade() else { return std::time::Duration::ZERO };
+        let mut p = inner.polls();
+        p.active += 1;
+        p.budget
+    }
+
+    fn poll(&self) -> Option<bool> {
+        self.0.upgrade().and_then(|inner| inner.progress())
+    }
+
+    fn stop(&self, finished: bool) {
+        let Some(inner) = self.0.upgrade() else { return };
+        let mut p = inner.polls();
+        p.active = p.active.saturating_sub(1);
+        if finished {
+            p.last_finished = Some(std::time::Instant::now());
+        }
+        if p.relied_on() {
+            drop(p);
+            inner.rearm_readers();
+        }
+    }
+
+    fn sleep(&self) {
+        let Some(inner) = self.0.upgrade() else { return };
+        let mut p = inner.polls();
+        p.sleepers += 1;
+        if p.relied_on() {
+            drop(p);
+            inner.rearm_readers();
+        }
+    }
+
+    fn woke(&self, time: std::time::Duration, polled: bool) {
+        let Some(inner) = self.0.upgrade() else { return };
+        let mut p = inner.polls();
+        p.sleepers = p.sleepers.saturating_sub(1);
+        if polled {
+            p.adapt(time);
+        }
+    }
 }
 
 /// Effects of inputs run under other locks, to be applied once every lock is released.
@@ -132,8 +223,13 @@ impl Inner {
     }
 
     /// Read what has arrived on every fast connection and feed it, from a thread waiting for a
-    /// work; true if anything was delivered.
-    pub(crate) fn progress(self: &Arc<Self>) -> bool {
+    /// work; whether anything was delivered, or `None` if this rank's own frames wait for the
+    /// writer tasks: a polling thread would only keep them from the CPU (on a host with as many
+    /// busy threads as cores, for a whole time slice), so it had better sleep.
+    pub(crate) fn progress(self: &Arc<Self>) -> Option<bool> {
+        if self.lock().writing() {
+            return None;
+        }
         let mut acc = Deferred::default();
         let mut delivered = false;
         {
@@ -145,7 +241,32 @@ impl Inner {
             }
         }
         self.finish_inputs(acc);
-        delivered
+        Some(delivered)
+    }
+
+    fn polls(&self) -> MutexGuard<'_, Polling> {
+        self.polling.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// How long a reader task whose epoll set fired should leave it unarmed: while threads
+    /// poll, and for [`socket::REARM_GRACE`] after the last finished its work; `None`: re-arm.
+    pub(crate) fn rearm_in(&self) -> Option<std::time::Duration> {
+        let p = self.polls();
+        if p.relied_on() {
+            return None;
+        }
+        if p.active > 0 {
+            return Some(socket::REARM_GRACE);
+        }
+        let since = p.last_finished?.elapsed();
+        socket::REARM_GRACE.checked_sub(since).filter(|d| !d.is_zero())
+    }
+
+    /// Let every reader task hear of the next bytes again (someone now relies on them).
+    pub(crate) fn rearm_readers(&self) {
+        for r in self.readers.read().unwrap_or_else(|p| p.into_inner()).iter() {
+            r.arm();
+        }
     }
 
     /// A fast connection ended: stop draining it (and let its socket close).
@@ -393,13 +514,10 @@ impl ProcessGroup {
         let bytes: usize =
             collective.inputs.iter().chain(&collective.outputs).map(|t| t.numel() * t.dtype.size()).sum();
         let work = self.inner.input(|st, fx| st.submit(now(), collective, payload, hook, fx))?;
-        let busy_poll = self.inner.opts.busy_poll;
-        if !busy_poll.is_zero()
+        let poll = !self.inner.opts.busy_poll.is_zero()
             && bytes <= BUSY_POLL_MAX_BYTES
-            && !self.inner.readers.read().unwrap_or_else(|p| p.into_inner()).is_empty()
-        {
-            work.set_progress(self.inner.progress.clone(), busy_poll);
-        }
+            && !self.inner.readers.read().unwrap_or_else(|p| p.into_inner()).is_empty();
+        work.set_progress(self.inner.progress.clone(), poll);
         Ok(work)
     }
 
@@ -568,4 +686,42 @@ impl Drop for Inner {
 
 fn specs(tensors: &[Tensor]) -> Vec<TensorSpec> {
     tensors.iter().map(|t| TensorSpec::new(t.dtype(), t.shape())).collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use std::time::Duration;
+
+    use super::{MAX_POLL_FACTOR, Polling};
+
+    #[test]
+    fn the_polling_time_doubles_after_short_sleeps_and_halves_after_long_ones_within_bounds() {
+        let base = Duration::from_micros(50);
+        let mut p = Polling::new(base);
+        p.adapt(Duration::from_micros(10));
+        assert_eq!(p.budget, base * 2, "a sleep shorter than the time polled doubles it");
+        for _ in 0..10 {
+            p.adapt(Duration::ZERO);
+        }
+        assert_eq!(p.budget, base * MAX_POLL_FACTOR, "up to the cap");
+        p.adapt(Duration::from_secs(1));
+        assert_eq!(p.budget, base * MAX_POLL_FACTOR / 2, "a long sleep halves it");
+        for _ in 0..10 {
+            p.adapt(Duration::from_secs(1));
+        }
+        assert_eq!(p.budget, base, "down to the setting");
+        let mut off = Polling::new(Duration::ZERO);
+        off.adapt(Duration::ZERO);
+        assert_eq!(off.budget, Duration::ZERO, "polling that is off stays off");
+    }
+
+    #[test]
+    fn the_readers_are_relied_on_when_someone_sleeps_and_nobody_polls() {
+        let mut p = Polling::new(Duration::from_micros(50));
+        assert!(!p.relied_on());
+        p.sleepers = 1;
+        assert!(p.relied_on());
+        p.active = 1;
+        assert!(!p.relied_on(), "a polling thread reads for the sleeper");
+    }
 }

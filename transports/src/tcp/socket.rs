@@ -14,15 +14,17 @@
 //! The reader task still serves every connection; the waiting thread only gets there first.
 //! Both decode through the same [`Assembler`] under one lock, so frames keep their order.
 
-use std::io::{self, Read};
+use std::io::{self, Read, Write};
 use std::net::{Shutdown, TcpStream as StdStream};
-use std::os::fd::AsFd;
+use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
 use std::pin::Pin;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, TryLockError, Weak};
 use std::task::{Context, Poll, ready};
+use std::time::Duration;
 
 use cohort_core::work::Rank;
+use tokio::io::unix::AsyncFd;
 use tokio::io::{AsyncWrite, Interest};
 use tokio::net::TcpStream;
 
@@ -30,30 +32,100 @@ use super::connect::deliver;
 use super::link::{Assembler, CloseTally, Inbound};
 use super::{Deferred, Inner};
 
-/// A second descriptor for `tcp`'s socket, for reads and writes from threads outside the
-/// runtime that must not depend on tokio's readiness (which only a runtime thread refreshes).
-pub(crate) fn duplicate(tcp: &TcpStream) -> io::Result<Arc<StdStream>> {
-    let std = StdStream::from(tcp.as_fd().try_clone_to_owned()?);
-    // The flag belongs to the socket, shared by both descriptors; tokio has set it already.
-    std.set_nonblocking(true)?;
-    Ok(Arc::new(std))
+/// How long a connection's reader task leaves reading to waiting threads after the last of
+/// them finished its work: a thread that waits again soon reads the next frame itself, and
+/// the frame wakes nobody. Frames that nobody waits for are read at the latest this much later
+/// (rounded up to the runtime's timer, a millisecond).
+pub(crate) const REARM_GRACE: Duration = Duration::from_millis(1);
+
+/// A real TCP connection taken out of tokio's hands: tokio would wake a runtime thread for
+/// every segment that arrives (its registration asks for reads and writes alike), even one a
+/// waiting thread has already read; on two cores that wake-up pre-empts the very thread that
+/// spins for the frame. Here the runtime is asked about writes only, and reads are announced
+/// by an epoll set of our own that fires once, then stays silent until it is re-armed.
+pub(crate) struct FastSocket {
+    std: Arc<StdStream>,
+    write: AsyncFd<Arc<StdStream>>,
+    events: AsyncFd<OwnedFd>,
+}
+
+/// `tcp` as a [`FastSocket`]; on failure, the stream back (if it still exists) and why.
+pub(crate) fn take(tcp: TcpStream) -> Result<FastSocket, (io::Error, Option<TcpStream>)> {
+    let events = match one_shot_set(tcp.as_raw_fd()) {
+        Ok(fd) => fd,
+        Err(e) => return Err((e, Some(tcp))),
+    };
+    // The descriptor stays the same: `events` watches it still. tokio leaves it non-blocking.
+    let std = match tcp.into_std() {
+        Ok(std) => Arc::new(std),
+        Err(e) => return Err((e, None)),
+    };
+    let back = |e: io::Error, std: Arc<StdStream>| {
+        let tcp = Arc::try_unwrap(std).ok().and_then(|s| TcpStream::from_std(s).ok());
+        Err((e, tcp))
+    };
+    // SAFETY: the `Arc` keeps the socket's descriptor open, the same one, for as long as the
+    // registration lives (it owns one of the references).
+    let write = match unsafe { AsyncFd::register_with_interest(std.clone(), Interest::WRITABLE) } {
+        Ok(w) => w,
+        Err(e) => return back(e.into_parts().1, std),
+    };
+    // SAFETY: the registration owns the epoll set's descriptor.
+    match unsafe { AsyncFd::register_with_interest(events, Interest::READABLE) } {
+        Ok(events) => Ok(FastSocket { std, write, events }),
+        Err(e) => {
+            drop(write);
+            back(e.into_parts().1, std)
+        }
+    }
+}
+
+/// An epoll set watching `fd` for reads, armed once.
+fn one_shot_set(fd: RawFd) -> io::Result<OwnedFd> {
+    // SAFETY: a plain system call; a non-negative result is a new descriptor that we own.
+    let ep = unsafe { libc::epoll_create1(libc::EPOLL_CLOEXEC) };
+    if ep < 0 {
+        return Err(io::Error::last_os_error());
+    }
+    // SAFETY: `ep` was just created and nothing else owns it.
+    let ep = unsafe { OwnedFd::from_raw_fd(ep) };
+    epoll_ctl(&ep, libc::EPOLL_CTL_ADD, fd)?;
+    Ok(ep)
+}
+
+fn epoll_ctl(ep: &OwnedFd, op: libc::c_int, fd: RawFd) -> io::Result<()> {
+    let mut ev = libc::epoll_event { events: (libc::EPOLLIN | libc::EPOLLRDHUP | libc::EPOLLONESHOT) as u32, u64: 0 };
+    // SAFETY: `ep` is an open epoll descriptor, `ev` a live event struct for the call.
+    if unsafe { libc::epoll_ctl(ep.as_raw_fd(), op, fd, &mut ev) } < 0 {
+        return Err(io::Error::last_os_error());
+    }
+    Ok(())
+}
+
+impl FastSocket {
+    /// The socket itself, for direct writes (see [`super::link::Gate::open`]).
+    pub(crate) fn std(&self) -> Arc<StdStream> {
+        self.std.clone()
+    }
 }
 
 /// The writer task's view of a socket that senders may also write to directly.
-pub(crate) struct SharedWrite {
-    pub(crate) tokio: Arc<TcpStream>,
-    pub(crate) std: Arc<StdStream>,
+pub(crate) struct SharedWrite(pub(crate) Arc<FastSocket>);
+
+impl SharedWrite {
+    fn poll_io(&self, cx: &mut Context<'_>, f: impl Fn(&StdStream) -> io::Result<usize>) -> Poll<io::Result<usize>> {
+        loop {
+            let mut guard = ready!(self.0.write.poll_write_ready(cx))?;
+            if let Ok(r) = guard.try_io(|fd| f(fd.get_ref())) {
+                return Poll::Ready(r);
+            }
+        }
+    }
 }
 
 impl AsyncWrite for SharedWrite {
     fn poll_write(self: Pin<&mut Self>, cx: &mut Context<'_>, buf: &[u8]) -> Poll<io::Result<usize>> {
-        loop {
-            ready!(self.tokio.poll_write_ready(cx))?;
-            match self.tokio.try_write(buf) {
-                Err(e) if e.kind() == io::ErrorKind::WouldBlock => {}
-                r => return Poll::Ready(r),
-            }
-        }
+        self.poll_io(cx, |mut s| s.write(buf))
     }
 
     fn poll_write_vectored(
@@ -61,13 +133,7 @@ impl AsyncWrite for SharedWrite {
         cx: &mut Context<'_>,
         bufs: &[io::IoSlice<'_>],
     ) -> Poll<io::Result<usize>> {
-        loop {
-            ready!(self.tokio.poll_write_ready(cx))?;
-            match self.tokio.try_write_vectored(bufs) {
-                Err(e) if e.kind() == io::ErrorKind::WouldBlock => {}
-                r => return Poll::Ready(r),
-            }
-        }
+        self.poll_io(cx, |mut s| s.write_vectored(bufs))
     }
 
     fn is_write_vectored(&self) -> bool {
@@ -79,7 +145,7 @@ impl AsyncWrite for SharedWrite {
     }
 
     fn poll_shutdown(self: Pin<&mut Self>, _: &mut Context<'_>) -> Poll<io::Result<()>> {
-        match self.std.shutdown(Shutdown::Write) {
+        match self.0.std.shutdown(Shutdown::Write) {
             Err(e) if e.kind() != io::ErrorKind::NotConnected => Poll::Ready(Err(e)),
             _ => Poll::Ready(Ok(())),
         }
@@ -87,23 +153,29 @@ impl AsyncWrite for SharedWrite {
 }
 
 /// The reading side of one connection, shared by its reader task and waiting threads.
+///
+/// Who reads: the reader task, woken by the connection's one-shot epoll set; or, while threads
+/// wait for small works ([`Inner::poll_begin`]), those threads. Once the set has fired during
+/// such a wait, it is left unarmed, so that later segments wake nobody, and re-armed when no
+/// thread polls any more: at once if the last one went to sleep (it relies on the task now),
+/// else by the task after [`REARM_GRACE`] (see [`run_reader`]).
 pub(crate) struct FastReader {
-    tokio: Arc<TcpStream>,
-    std: Arc<StdStream>,
+    socket: Arc<FastSocket>,
     asm: Mutex<Assembler>,
     tally: Arc<CloseTally>,
     ended: AtomicBool,
+    /// Whether the epoll set is armed (or has fired and its event is not yet taken).
+    armed: AtomicBool,
 }
 
 impl FastReader {
-    pub(crate) fn new(tokio: Arc<TcpStream>, std: Arc<StdStream>, asm: Assembler, tally: Arc<CloseTally>) -> Self {
-        FastReader { tokio, std, asm: Mutex::new(asm), tally, ended: AtomicBool::new(false) }
+    pub(crate) fn new(socket: Arc<FastSocket>, asm: Assembler, tally: Arc<CloseTally>) -> Self {
+        FastReader { socket, asm: Mutex::new(asm), tally, ended: AtomicBool::new(false), armed: AtomicBool::new(true) }
     }
 
-    /// The socket's descriptor (the duplicate this reader holds open).
-    pub(crate) fn raw_fd(&self) -> std::os::fd::RawFd {
-        use std::os::fd::AsRawFd;
-        self.std.as_raw_fd()
+    /// The socket's descriptor.
+    pub(crate) fn raw_fd(&self) -> RawFd {
+        self.socket.std.as_raw_fd()
     }
 
     /// Whether the connection has delivered its last word.
@@ -111,10 +183,22 @@ impl FastReader {
         self.ended.load(Ordering::Acquire)
     }
 
+    /// Arm the epoll set unless it is armed already: the reader task hears of the next bytes
+    /// (at once, if some are waiting).
+    pub(crate) fn arm(&self) {
+        if self.ended() || self.armed.swap(true, Ordering::AcqRel) {
+            return;
+        }
+        if let Err(e) = epoll_ctl(self.socket.events.get_ref(), libc::EPOLL_CTL_MOD, self.raw_fd()) {
+            // Only a closed descriptor fails here; the reader task meets the closing anyway.
+            tracing::debug!("could not re-arm a connection's read events: {e}");
+        }
+    }
+
     /// Read and deliver whatever has arrived, until a read would block; true if anything was
     /// delivered. `inline` (a waiting user thread): give up at once if another thread is
-    /// reading, and read the socket directly. The effects of what was delivered are gathered
-    /// in `acc`, to be applied with no lock held.
+    /// reading. The effects of what was delivered are gathered in `acc`, to be applied with no
+    /// lock held.
     pub(crate) fn drain(&self, inner: &Arc<Inner>, inline: bool, acc: &mut Deferred) -> bool {
         if self.ended() {
             return false;
@@ -129,6 +213,10 @@ impl FastReader {
             self.asm.lock().unwrap_or_else(|p| p.into_inner())
         };
         let mut delivered = false;
+        // A read that fills less than its buffer found the socket empty: stop there rather than
+        // pay a system call for the `WouldBlock` (what comes later, `poll` and the re-armed
+        // epoll set both see: they report the socket's level, not its edges).
+        let mut emptied = false;
         loop {
             while let Some(next) = asm.poll_frame() {
                 delivered = true;
@@ -137,24 +225,20 @@ impl FastReader {
                     Err(last) => return self.end(inner, last, acc),
                 }
             }
-            if self.ended() {
+            if self.ended() || emptied {
                 return delivered;
             }
-            let read = {
-                let buf = asm.read_buf();
-                if inline {
-                    (&*self.std).read(buf)
-                } else {
-                    // Through tokio, so that a read that would block clears its readiness.
-                    self.tokio.try_io(Interest::READABLE, || (&*self.std).read(buf))
-                }
-            };
-            match read {
+            let buf = asm.read_buf();
+            let room = buf.len();
+            match (&*self.socket.std).read(buf) {
                 Ok(0) => {
                     let eof = asm.eof();
                     return self.end(inner, eof, acc);
                 }
-                Ok(n) => asm.advance(n),
+                Ok(n) => {
+                    emptied = n < room;
+                    asm.advance(n);
+                }
                 Err(e) if e.kind() == io::ErrorKind::WouldBlock => return delivered,
                 Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
                 Err(e) => {
@@ -176,6 +260,29 @@ impl FastReader {
         self.feed(inner, last, acc);
         true
     }
+
+    /// Wait until the epoll set fires, and take its event (which leaves it unarmed).
+    async fn fired(&self) -> io::Result<()> {
+        loop {
+            let mut guard = self.socket.events.readable().await?;
+            let mut ev = libc::epoll_event { events: 0, u64: 0 };
+            // SAFETY: the set's descriptor is open (we hold it); `ev` has room for one event.
+            let n = unsafe { libc::epoll_wait(self.socket.events.as_raw_fd(), &mut ev, 1, 0) };
+            match n {
+                1 => {
+                    self.armed.store(false, Ordering::Release);
+                    return Ok(());
+                }
+                0 => guard.clear_ready(),
+                _ => {
+                    let e = io::Error::last_os_error();
+                    if e.kind() != io::ErrorKind::Interrupted {
+                        return Err(e);
+                    }
+                }
+            }
+        }
+    }
 }
 
 /// Which of `readers` have bytes (or an end) waiting, asked of the kernel in one `poll(2)`
@@ -190,14 +297,35 @@ pub(crate) fn readable(readers: &[Arc<FastReader>]) -> impl Iterator<Item = bool
     fds.into_iter().map(move |p| n > 0 && p.revents != 0)
 }
 
-/// The reader task of a fast connection: wait until the socket is readable, drain it, repeat
-/// until its last word.
+/// The reader task of a fast connection: wait until the epoll set fires, drain the socket,
+/// repeat until the connection's last word. While the set is unarmed (waiting threads read),
+/// it looks now and then whether it should be armed again ([`Inner::rearm_in`]); anyone who
+/// arms it meanwhile wakes it through the set.
 pub(crate) async fn run_reader(reader: Arc<FastReader>, weak: Weak<Inner>, peer: Rank) {
     loop {
-        let ready = reader.tokio.readable().await;
+        let fired = loop {
+            let recheck = if reader.armed.load(Ordering::Acquire) {
+                None
+            } else {
+                let Some(inner) = weak.upgrade() else { return };
+                let wait = inner.rearm_in();
+                if wait.is_none() {
+                    reader.arm();
+                }
+                wait
+            };
+            match recheck {
+                None => break reader.fired().await,
+                Some(wait) => tokio::select! {
+                    biased;
+                    fired = reader.fired() => break fired,
+                    () = tokio::time::sleep(wait) => {}
+                },
+            }
+        };
         let Some(inner) = weak.upgrade() else { return };
         let mut acc = Deferred::default();
-        match ready {
+        match fired {
             Ok(()) => {
                 reader.drain(&inner, false, &mut acc);
             }

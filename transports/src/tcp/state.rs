@@ -441,6 +441,11 @@ impl DriverState {
         self.count_sent(id, to, sent)
     }
 
+    /// Whether frames of this rank wait for the writer tasks.
+    pub(crate) fn writing(&self) -> bool {
+        self.unwritten_to.values().any(|&n| n > 0)
+    }
+
     /// Whether a sender may write its frames itself: when one work is in flight (a round trip
     /// waits on it). With several, the writer task coalesces their frames into fewer writes.
     fn direct(&self) -> bool {
