@@ -163,7 +163,6 @@ struct Shared {
     slot: Mutex<Slot>,
     cond: Condvar,
     abort: Mutex<Option<AbortFn>>,
-    /// How a waiting thread may move the work on itself, and for how long it tries.
     /// The group's progress function, and whether a waiting thread polls with it.
     progress: std::sync::OnceLock<(ProgressFn, bool)>,
     /// The work's `tracing` span, from submit to finish.
@@ -450,10 +449,11 @@ impl Future for Work {
             if !slot.wakers.iter().any(|w| w.will_wake(cx.waker())) {
                 slot.wakers.push(cx.waker().clone());
             }
+            // Counted under the slot's lock, so that the completer, which uncounts it, cannot
+            // come in between.
             if let Some((p, _)) = self.shared.progress.get()
                 && !std::mem::replace(&mut slot.relied, true)
             {
-                drop(slot);
                 p.sleep();
             }
             return Poll::Pending;

@@ -97,11 +97,12 @@ pub(crate) struct Inner {
 /// threads polling the sockets, and threads or tasks sleeping until the runtime ends a work;
 /// and for how long a thread may poll.
 ///
-/// The time adapts: a thread that stopped polling and then slept less than it had polled
-/// would have done better to poll on (its sleep cost two wake-ups, and on a busy host the
-/// wake-ups are what is slow: the peer, polling meanwhile, gives up in turn, and the two ranks
-/// take turns sleeping). Such a short sleep doubles the time, up to [`MAX_POLL_FACTOR`] times
-/// [`TcpOptions::busy_poll`]; a sleep longer than the time halves it, down to that setting.
+/// The time adapts. A thread that stopped polling and then slept a short while (less than
+/// [`MAX_POLL_FACTOR`] times [`TcpOptions::busy_poll`]) would have done better to poll on: its
+/// sleep cost two wake-ups, and on a busy host the wake-ups are what is slow (the peer, polling
+/// meanwhile, gives up in turn, and the two ranks take turns sleeping, each wake-up taking
+/// longer than the setting). Such a sleep doubles the time, up to that cap; a longer sleep
+/// halves it, down to the setting. A work that ends while its thread polls changes nothing.
 #[derive(Debug)]
 pub(crate) struct Polling {
     active: usize,
@@ -120,7 +121,7 @@ impl Polling {
     }
 
     fn adapt(&mut self, slept: std::time::Duration) {
-        self.budget = if slept < self.budget {
+        self.budget = if slept < self.base * MAX_POLL_FACTOR {
             (self.budget * 2).min(self.base * MAX_POLL_FACTOR)
         } else {
             (self.budget / 2).max(self.base)
@@ -698,14 +699,14 @@ mod tests {
     fn the_polling_time_doubles_after_short_sleeps_and_halves_after_long_ones_within_bounds() {
         let base = Duration::from_micros(50);
         let mut p = Polling::new(base);
-        p.adapt(Duration::from_micros(10));
-        assert_eq!(p.budget, base * 2, "a sleep shorter than the time polled doubles it");
+        p.adapt(base * 4);
+        assert_eq!(p.budget, base * 2, "a sleep shorter than the cap doubles it");
         for _ in 0..10 {
             p.adapt(Duration::ZERO);
         }
         assert_eq!(p.budget, base * MAX_POLL_FACTOR, "up to the cap");
-        p.adapt(Duration::from_secs(1));
-        assert_eq!(p.budget, base * MAX_POLL_FACTOR / 2, "a long sleep halves it");
+        p.adapt(base * MAX_POLL_FACTOR);
+        assert_eq!(p.budget, base * MAX_POLL_FACTOR / 2, "a sleep as long as the cap halves it");
         for _ in 0..10 {
             p.adapt(Duration::from_secs(1));
         }

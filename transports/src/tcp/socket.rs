@@ -155,7 +155,7 @@ impl AsyncWrite for SharedWrite {
 /// The reading side of one connection, shared by its reader task and waiting threads.
 ///
 /// Who reads: the reader task, woken by the connection's one-shot epoll set; or, while threads
-/// wait for small works ([`Inner::poll_begin`]), those threads. Once the set has fired during
+/// wait for small works (see [`super::Polling`]), those threads. Once the set has fired during
 /// such a wait, it is left unarmed, so that later segments wake nobody, and re-armed when no
 /// thread polls any more: at once if the last one went to sleep (it relies on the task now),
 /// else by the task after [`REARM_GRACE`] (see [`run_reader`]).
