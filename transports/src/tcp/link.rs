@@ -150,7 +150,7 @@ pub(crate) struct Gate(Mutex<GateState>);
 struct GateState {
     /// Frames handed to the writer task and not yet written by it.
     queued: usize,
-    /// The socket, once known to be a real TCP socket (a duplicate of the writer's).
+    /// The socket, once known to be a real TCP socket (the one the writer task writes to).
     socket: Option<Arc<std::net::TcpStream>>,
 }
 

@@ -6,13 +6,15 @@
 //! (on two cores, often a context switch). Here the hops can be skipped:
 //!
 //! - a sender writes a small frame itself when nothing is queued ahead of it
-//!   ([`super::link::LaneTx`], through a duplicate of the socket's descriptor);
-//! - a thread waiting for a small work reads the socket itself for a short while
+//!   ([`super::link::LaneTx`], on the socket the writer task also writes to);
+//! - a thread waiting for a small work reads the socket itself for a while
 //!   ([`FastReader::drain`] with `inline`, called from [`crate::work::Work::wait`]), so that
-//!   the frame that finishes its work wakes nobody.
+//!   the frame that finishes its work wakes nobody;
+//! - the runtime is not told of arriving bytes while threads read them ([`FastSocket`],
+//!   [`run_reader`]).
 //!
-//! The reader task still serves every connection; the waiting thread only gets there first.
-//! Both decode through the same [`Assembler`] under one lock, so frames keep their order.
+//! The reader task reads whatever no waiting thread does. Both decode through the same
+//! [`Assembler`] under one lock, so frames keep their order.
 
 use std::io::{self, Read, Write};
 use std::net::{Shutdown, TcpStream as StdStream};
