@@ -153,6 +153,9 @@ struct Slot {
     wakers: Vec<Waker>,
     /// A future waits for the work, counted by [`Progress::sleep`].
     relied: bool,
+    /// Threads blocked on the condition variable: the completer notifies only when there are
+    /// some (a notification is a system call even when nobody waits).
+    sleeping: u32,
 }
 
 struct Shared {
@@ -206,7 +209,14 @@ impl Work {
             seq,
             id,
             source_rank: Mutex::new(None),
-            slot: Mutex::new(Slot { summary: None, outputs: None, dropped: false, wakers: Vec::new(), relied: false }),
+            slot: Mutex::new(Slot {
+                summary: None,
+                outputs: None,
+                dropped: false,
+                wakers: Vec::new(),
+                relied: false,
+                sleeping: 0,
+            }),
             cond: Condvar::new(),
             abort: Mutex::new(None),
             progress: std::sync::OnceLock::new(),
@@ -319,9 +329,11 @@ impl Work {
             p.sleep();
             (p, std::time::Instant::now())
         });
+        slot.sleeping += 1;
         while slot.summary.is_none() && !slot.dropped {
             slot = self.shared.cond.wait(slot).unwrap_or_else(|p| p.into_inner());
         }
+        slot.sleeping -= 1;
         let outcome = self.outcome(&slot);
         drop(slot);
         if let Some((p, since)) = asleep {
@@ -337,12 +349,14 @@ impl Work {
             p.sleep();
             (p, std::time::Instant::now())
         });
-        let slot = self.shared.lock();
-        let (slot, _) = self
+        let mut slot = self.shared.lock();
+        slot.sleeping += 1;
+        let (mut slot, _) = self
             .shared
             .cond
             .wait_timeout_while(slot, timeout, |s| s.summary.is_none() && !s.dropped)
             .unwrap_or_else(|p| p.into_inner());
+        slot.sleeping -= 1;
         let outcome = if slot.summary.is_none() && !slot.dropped {
             Err(WorkError::WaitTimedOut { op: self.shared.op, seq: self.shared.seq, waited: timeout })
         } else {
@@ -517,14 +531,16 @@ impl WorkCompleter {
                 tracing::warn!(result = %summary.result, "work failed");
             }
         });
-        let (wakers, relied) = {
+        let (wakers, relied, sleeping) = {
             let mut slot = self.shared.lock();
             slot.summary = Some(summary);
             slot.outputs = Some(outputs);
-            (std::mem::take(&mut slot.wakers), std::mem::take(&mut slot.relied))
+            (std::mem::take(&mut slot.wakers), std::mem::take(&mut slot.relied), slot.sleeping > 0)
         };
         self.done = true;
-        self.shared.cond.notify_all();
+        if sleeping {
+            self.shared.cond.notify_all();
+        }
         wakers.into_iter().for_each(Waker::wake);
         self.shared.futures_done(relied);
         if let Some(hook) = &self.hook {
@@ -538,12 +554,14 @@ impl Drop for WorkCompleter {
         if self.done {
             return;
         }
-        let (wakers, relied) = {
+        let (wakers, relied, sleeping) = {
             let mut slot = self.shared.lock();
             slot.dropped = true;
-            (std::mem::take(&mut slot.wakers), std::mem::take(&mut slot.relied))
+            (std::mem::take(&mut slot.wakers), std::mem::take(&mut slot.relied), slot.sleeping > 0)
         };
-        self.shared.cond.notify_all();
+        if sleeping {
+            self.shared.cond.notify_all();
+        }
         wakers.into_iter().for_each(Waker::wake);
         self.shared.futures_done(relied);
     }
@@ -585,6 +603,50 @@ mod tests {
         assert_eq!(work.duration(), Some(Duration::from_millis(3)));
         assert_eq!(work.result().unwrap(), vec![Tensor::from_slice(&[1.0f32])]);
         assert_eq!(work.exception(), None);
+    }
+
+    /// Wait until `n` threads sleep on the work's condition variable.
+    fn until_asleep(work: &Work, n: u32) {
+        let start = std::time::Instant::now();
+        while work.shared.lock().sleeping < n {
+            assert!(start.elapsed() < Duration::from_secs(10), "the waiters never went to sleep");
+            std::thread::yield_now();
+        }
+    }
+
+    #[test]
+    fn sleeping_waiters_are_woken_by_finish_and_by_drop() {
+        // The completer notifies only when it counts sleepers: every kind of waiter must be
+        // counted, or it would sleep forever (wait_timeout's long timeout would fail the test).
+        for finish in [true, false] {
+            let (work, completer) = Work::pending(WorkId(1), SeqNo(1), OpType::Allreduce, None);
+            let waiters: Vec<_> = (0..4)
+                .map(|i| {
+                    let work = work.clone();
+                    std::thread::spawn(move || {
+                        if i % 2 == 0 {
+                            work.wait().map_err(|e| e.to_string())
+                        } else {
+                            work.wait_timeout(Duration::from_secs(60)).map_err(|e| e.to_string())
+                        }
+                    })
+                })
+                .collect();
+            until_asleep(&work, 4);
+            if finish {
+                completer.finish(WorkResult::Success, finished_lifecycle(WorkState::Completed), vec![]);
+            } else {
+                drop(completer);
+            }
+            for w in waiters {
+                let outcome = w.join().unwrap();
+                assert_eq!(outcome.is_ok(), finish, "{outcome:?}");
+                if let Err(e) = outcome {
+                    assert!(e.contains("dropped by the runtime"), "a waiter slept through the drop: {e}");
+                }
+            }
+            assert_eq!(work.shared.lock().sleeping, 0);
+        }
     }
 
     #[test]
