@@ -192,17 +192,19 @@ impl ProcessGroup {
             let progress: crate::work::ProgressFn = Arc::new(super::Poller(weak.clone()));
             let polling = Mutex::new(super::Polling::new(opts.busy_poll));
             let weak = weak.clone();
-            let on_written: super::state::OnWritten = Arc::new(move |id, to, outcome| {
+            let on_written: super::state::OnWritten = Arc::new(move |to, ids, outcome| {
                 if let Some(inner) = weak.upgrade() {
-                    inner.input(|st, fx| st.handle_written(now(), id, to, outcome, fx));
+                    inner.input(|st, fx| st.handle_written(now(), to, ids, outcome, fx));
                 }
             });
+            let state = DriverState::new(group, writers, lazy, on_written);
             Inner {
                 rank: me,
                 world_size,
                 group_id: gid,
                 opts,
-                state: Mutex::new(DriverState::new(group, writers, lazy, on_written)),
+                unwritten: state.writing_count(),
+                state: Mutex::new(state),
                 timer: Notify::new(),
                 hook: RwLock::new(None),
                 store,

@@ -322,8 +322,42 @@ pub(crate) enum Inbound {
     },
 }
 
-/// Called once a frame is on the socket (`Ok`) or can no longer get there (`Err`).
-pub(crate) type Written = Box<dyn FnOnce(Result<(), String>) + Send + Sync>;
+/// Told once frames are on the socket (`Ok`) or can no longer get there (`Err`): the peer,
+/// and the works the frames belong to (one entry per frame, in order). A writer tells it once
+/// per batch of frames it wrote together.
+pub(crate) type OnWritten =
+    std::sync::Arc<dyn Fn(Rank, &[cohort_core::work::WorkId], Result<(), String>) + Send + Sync>;
+
+/// Who wants to know that a frame is written: its work, and the hook to tell.
+pub(crate) struct Written {
+    pub(crate) id: cohort_core::work::WorkId,
+    pub(crate) hook: OnWritten,
+}
+
+/// The frames a writer wrote together, to be told to their hook in one call.
+#[derive(Default)]
+struct WrittenBatch {
+    ids: Vec<cohort_core::work::WorkId>,
+    hook: Option<OnWritten>,
+}
+
+impl WrittenBatch {
+    fn push(&mut self, written: Option<Written>) {
+        if let Some(Written { id, hook }) = written {
+            self.ids.push(id);
+            self.hook.get_or_insert(hook);
+        }
+    }
+
+    fn tell(&mut self, to: Rank, outcome: Result<(), String>) {
+        if let Some(hook) = &self.hook
+            && !self.ids.is_empty()
+        {
+            hook(to, &self.ids, outcome);
+        }
+        self.ids.clear();
+    }
+}
 
 /// A frame to send: header plus payload, and who wants to know when it is written.
 pub(crate) struct Outbound {
@@ -556,7 +590,7 @@ pub(crate) async fn run_writer<W>(
 {
     let LaneRx { mut rx, gate } = lane;
     let mut small = Vec::with_capacity(HEADER_LEN + COALESCE_LIMIT);
-    let mut notify: Vec<Written> = Vec::new();
+    let mut notify = WrittenBatch::default();
     while let Some(first) = rx.recv().await {
         let mut batch = 0;
         // Coalesce every small frame already queued into one write.
@@ -565,7 +599,7 @@ pub(crate) async fn run_writer<W>(
         let mut result = Ok(());
         while let Some(mut out) = next.take() {
             batch += 1;
-            notify.extend(out.written.take());
+            notify.push(out.written.take());
             if out.payload.len() <= COALESCE_LIMIT {
                 small.extend_from_slice(out.header.encode().get(out.skip..).unwrap_or_default());
                 small.extend_from_slice(&out.payload);
@@ -595,9 +629,7 @@ pub(crate) async fn run_writer<W>(
         }
         gate.written(batch);
         let outcome = result.as_ref().map(|_| ()).map_err(|e| format!("write to rank {to} failed: {e}"));
-        for done in notify.drain(..) {
-            done(outcome.clone());
-        }
+        notify.tell(to, outcome);
         if let Err(e) = result {
             let reason = match e.kind() {
                 io::ErrorKind::BrokenPipe | io::ErrorKind::ConnectionReset => {
@@ -608,10 +640,12 @@ pub(crate) async fn run_writer<W>(
             let _ = errors.send(Inbound::Closed { from: to, reason: reason.clone(), clean: false });
             rx.close();
             while let Some(mut out) = rx.recv().await {
-                if let Some(done) = out.written.take() {
-                    done(Err(reason.clone()));
+                notify.push(out.written.take());
+                if rx.is_empty() {
+                    notify.tell(to, Err(reason.clone()));
                 }
             }
+            notify.tell(to, Err(reason));
             return;
         }
     }
@@ -628,7 +662,9 @@ async fn write_large<W: AsyncWrite + Unpin>(stream: &mut W, out: &Outbound) -> i
 
 #[cfg(test)]
 mod tests {
-    use cohort_core::work::{GroupId, SeqNo};
+    use cohort_core::work::{GroupId, SeqNo, WorkId};
+    use std::sync::Mutex;
+    use tokio::io::AsyncReadExt;
 
     use super::*;
 
@@ -841,6 +877,68 @@ mod tests {
         assert!(got_frames == frames, "frames arrive whole and in order");
         assert!(reason(last).1, "and the goodbye last");
         assert_eq!(got, want);
+    }
+
+    /// Every call of a hook: (peer, works, ok).
+    type Calls = Arc<Mutex<Vec<(Rank, Vec<WorkId>, bool)>>>;
+
+    /// A hook that records every call.
+    fn recording_hook() -> (OnWritten, Calls) {
+        let calls = Arc::new(Mutex::new(Vec::new()));
+        let c = calls.clone();
+        let hook: OnWritten = Arc::new(move |to, ids: &[WorkId], outcome: Result<(), String>| {
+            c.lock().unwrap().push((to, ids.to_vec(), outcome.is_ok()));
+        });
+        (hook, calls)
+    }
+
+    #[tokio::test]
+    async fn the_writer_tells_every_frame_written_in_order_batching_what_it_wrote_together() {
+        let (hook, calls) = recording_hook();
+        let (lane_tx, lane_rx) = lane();
+        // Queued before the writer starts, so that it finds them together.
+        for i in 0..20u64 {
+            let (h, p) = data(i, if i == 7 { 3 * STAGING } else { 100 }, 1);
+            let written = Some(Written { id: WorkId(i), hook: hook.clone() });
+            assert_eq!(lane_tx.send(Outbound::new(h, Bytes::from(p), written), false), Sent::Queued);
+        }
+        drop(lane_tx);
+        let (w, mut r) = tokio::io::duplex(1 << 20);
+        let (err_tx, _err_rx) = mpsc::unbounded_channel();
+        run_writer(Rank(1), Rank(0), w, lane_rx, err_tx).await;
+        let mut bytes = Vec::new();
+        r.read_to_end(&mut bytes).await.unwrap();
+        let calls = calls.lock().unwrap().clone();
+        assert!(calls.len() < 20, "frames written together are told together: {} calls", calls.len());
+        assert!(calls.iter().all(|(to, ids, ok)| *to == Rank(0) && *ok && !ids.is_empty()));
+        let ids: Vec<WorkId> = calls.into_iter().flat_map(|(_, ids, _)| ids).collect();
+        assert_eq!(ids, (0..20).map(WorkId).collect::<Vec<_>>(), "each frame once, in order");
+    }
+
+    #[tokio::test]
+    async fn frames_a_failed_writer_cannot_write_are_told_failed_each_once() {
+        let (hook, calls) = recording_hook();
+        let (lane_tx, lane_rx) = lane();
+        for i in 0..10u64 {
+            let (h, p) = data(i, 100, 1);
+            let written = Some(Written { id: WorkId(i), hook: hook.clone() });
+            lane_tx.send(Outbound::new(h, Bytes::from(p), written), false);
+        }
+        let (w, r) = tokio::io::duplex(64);
+        drop(r);
+        let (err_tx, mut err_rx) = mpsc::unbounded_channel();
+        let writer = tokio::spawn(run_writer(Rank(1), Rank(0), w, lane_rx, err_tx));
+        assert!(matches!(err_rx.recv().await, Some(Inbound::Closed { clean: false, .. })));
+        // Frames queued after the failure are refused or told failed too.
+        let (h, p) = data(10, 100, 1);
+        let late = lane_tx.send(Outbound::new(h, Bytes::from(p), Some(Written { id: WorkId(10), hook })), false);
+        drop(lane_tx);
+        writer.await.unwrap();
+        let calls = calls.lock().unwrap().clone();
+        assert!(calls.iter().all(|(_, _, ok)| !ok), "{calls:?}");
+        let ids: Vec<WorkId> = calls.into_iter().flat_map(|(_, ids, _)| ids).collect();
+        let told = if late == Sent::Gone { 10 } else { 11 };
+        assert_eq!(ids, (0..told).map(WorkId).collect::<Vec<_>>());
     }
 
     fn closed(clean: bool) -> Inbound {

@@ -91,6 +91,8 @@ pub(crate) struct Inner {
     /// [`Inner::progress`] and friends as a work's progress function (one for every work of
     /// the group).
     progress: crate::work::ProgressFn,
+    /// Frames of this rank waiting for the writer tasks ([`DriverState::writing_count`]).
+    unwritten: Arc<std::sync::atomic::AtomicUsize>,
 }
 
 /// Who waits for a group's works, for its fast connections (see [`socket::FastReader`]):
@@ -228,7 +230,7 @@ impl Inner {
     /// writer tasks: a polling thread would only keep them from the CPU (on a host with as many
     /// busy threads as cores, for a whole time slice), so it had better sleep.
     pub(crate) fn progress(self: &Arc<Self>) -> Option<bool> {
-        if self.lock().writing() {
+        if self.unwritten.load(std::sync::atomic::Ordering::Relaxed) > 0 {
             return None;
         }
         let mut acc = Deferred::default();

@@ -57,8 +57,7 @@ struct Pending {
 /// queues (8 MiB) instead of copying all of its sends at once.
 const SEND_WINDOW: usize = 16;
 
-/// Reports that the frames of a work are written: `(work, peer, outcome)`.
-pub(crate) type OnWritten = std::sync::Arc<dyn Fn(WorkId, Rank, Result<(), String>) + Send + Sync>;
+pub(crate) use super::link::OnWritten;
 
 /// Works that ended under the lock, to be finished after it is released.
 #[derive(Debug, Default)]
@@ -111,6 +110,8 @@ pub(crate) struct DriverState {
     closed: BTreeMap<Rank, String>,
     /// Frames queued for each peer and not yet written.
     unwritten_to: BTreeMap<Rank, usize>,
+    /// Their sum, readable without the lock (see [`DriverState::writing_count`]).
+    unwritten_total: std::sync::Arc<std::sync::atomic::AtomicUsize>,
     /// Peers that said goodbye while frames to them were still being written: their
     /// departure is handled once those writes finish, so a send that reached them succeeds.
     deferred_departures: std::collections::BTreeSet<Rank>,
@@ -159,6 +160,7 @@ impl DriverState {
             last_finished_seq: SeqNo(0),
             closed: BTreeMap::new(),
             unwritten_to: BTreeMap::new(),
+            unwritten_total: Default::default(),
             deferred_departures: std::collections::BTreeSet::new(),
             on_written: WrittenHook(on_written),
             lazy,
@@ -369,21 +371,27 @@ impl DriverState {
     pub(crate) fn handle_written(
         &mut self,
         now: Instant,
-        id: WorkId,
         to: Rank,
+        ids: &[WorkId],
         outcome: Result<(), String>,
         effects: &mut Effects,
     ) {
         let left = self.unwritten_to.entry(to).or_default();
-        *left = left.saturating_sub(1);
+        let done = ids.len().min(*left);
+        *left -= done;
         let left = *left;
-        if let Some(p) = self.pending.get_mut(&id) {
+        self.unwritten_total.fetch_sub(done, std::sync::atomic::Ordering::Relaxed);
+        for &id in ids {
+            let Some(p) = self.pending.get_mut(&id) else { continue };
             p.unwritten = p.unwritten.saturating_sub(1);
             let resume = p.throttled && outcome.is_ok();
-            match outcome {
+            match &outcome {
                 Ok(()) if resume => self.after_step(now, id, Ok(())),
                 Ok(()) => self.maybe_complete(now, id),
-                Err(message) => self.group.handle_completion(now, id, Completion::Failed { rank: Some(to), message }),
+                Err(message) => {
+                    let message = message.clone();
+                    self.group.handle_completion(now, id, Completion::Failed { rank: Some(to), message })
+                }
             }
         }
         if left == 0 && self.deferred_departures.remove(&to) {
@@ -433,17 +441,17 @@ impl DriverState {
 
     /// Queue a frame of work `id` for `to`; false if the link is gone.
     fn send_frame(&mut self, id: WorkId, to: Rank, header: FrameHeader, payload: Bytes) -> bool {
-        let notify = self.on_written.0.clone();
+        let written = super::link::Written { id, hook: self.on_written.0.clone() };
         let direct = self.direct();
         let Some(lanes) = self.lanes_for(to) else { return false };
-        let written: super::link::Written = Box::new(move |outcome| notify(id, to, outcome));
         let sent = lanes.send(Outbound::new(header, payload, Some(written)), direct);
         self.count_sent(id, to, sent)
     }
 
-    /// Whether frames of this rank wait for the writer tasks.
-    pub(crate) fn writing(&self) -> bool {
-        self.unwritten_to.values().any(|&n| n > 0)
+    /// The count of frames of this rank waiting for the writer tasks, for a reader that does
+    /// not take the state's lock (a polling thread checks it between polls).
+    pub(crate) fn writing_count(&self) -> std::sync::Arc<std::sync::atomic::AtomicUsize> {
+        self.unwritten_total.clone()
     }
 
     /// Whether a sender may write its frames itself: when one work is in flight (a round trip
@@ -463,6 +471,7 @@ impl DriverState {
                     p.unwritten += 1;
                 }
                 *self.unwritten_to.entry(to).or_default() += 1;
+                self.unwritten_total.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
             }
         }
         true
@@ -642,8 +651,7 @@ impl DriverState {
                     let bytes = run.payload(&out);
                     let mut header = FrameHeader::data(self.gid, seq, out.step, self.me, bytes.len() as u64);
                     header.tag = fingerprint.map_or(0, Fingerprint::to_tag);
-                    let notify = on_written.0.clone();
-                    let written: super::link::Written = Box::new(move |outcome| notify(id, to, outcome));
+                    let written = super::link::Written { id, hook: on_written.0.clone() };
                     let lane =
                         writers.get(to.index()).and_then(Option::as_ref).and_then(|l| l.lane_for(&header, bytes.len()));
                     lane.map_or(Sent::Gone, |l| l.send_slice(header, bytes, Some(written), direct, |b| pool.bytes(b)))
