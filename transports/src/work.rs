@@ -179,8 +179,20 @@ impl Shared {
         self.slot.lock().unwrap_or_else(|p| p.into_inner())
     }
 
-    /// The work ended: the futures that waited for it (counted once, if any) stop waiting.
-    fn futures_done(&self, relied: bool) {
+    /// The work ended (`end` marks it so in the slot): wake whoever waits for it. Threads on
+    /// the condition variable are notified only if some sleep there (a notification is a
+    /// system call even when nobody waits); the futures that waited (counted once, if any)
+    /// stop counting as waiting.
+    fn release(&self, end: impl FnOnce(&mut Slot)) {
+        let (wakers, relied, sleeping) = {
+            let mut slot = self.lock();
+            end(&mut slot);
+            (std::mem::take(&mut slot.wakers), std::mem::take(&mut slot.relied), slot.sleeping > 0)
+        };
+        if sleeping {
+            self.cond.notify_all();
+        }
+        wakers.into_iter().for_each(Waker::wake);
         if relied && let Some((p, _)) = self.progress.get() {
             p.woke(Duration::ZERO, false);
         }
@@ -531,18 +543,11 @@ impl WorkCompleter {
                 tracing::warn!(result = %summary.result, "work failed");
             }
         });
-        let (wakers, relied, sleeping) = {
-            let mut slot = self.shared.lock();
+        self.shared.release(|slot| {
             slot.summary = Some(summary);
             slot.outputs = Some(outputs);
-            (std::mem::take(&mut slot.wakers), std::mem::take(&mut slot.relied), slot.sleeping > 0)
-        };
+        });
         self.done = true;
-        if sleeping {
-            self.shared.cond.notify_all();
-        }
-        wakers.into_iter().for_each(Waker::wake);
-        self.shared.futures_done(relied);
         if let Some(hook) = &self.hook {
             hook(&info);
         }
@@ -554,16 +559,7 @@ impl Drop for WorkCompleter {
         if self.done {
             return;
         }
-        let (wakers, relied, sleeping) = {
-            let mut slot = self.shared.lock();
-            slot.dropped = true;
-            (std::mem::take(&mut slot.wakers), std::mem::take(&mut slot.relied), slot.sleeping > 0)
-        };
-        if sleeping {
-            self.shared.cond.notify_all();
-        }
-        wakers.into_iter().for_each(Waker::wake);
-        self.shared.futures_done(relied);
+        self.shared.release(|slot| slot.dropped = true);
     }
 }
 

@@ -639,11 +639,9 @@ pub(crate) async fn run_writer<W>(
             };
             let _ = errors.send(Inbound::Closed { from: to, reason: reason.clone(), clean: false });
             rx.close();
+            // Closed: what is still queued comes out at once, then `None`.
             while let Some(mut out) = rx.recv().await {
                 notify.push(out.written.take());
-                if rx.is_empty() {
-                    notify.tell(to, Err(reason.clone()));
-                }
             }
             notify.tell(to, Err(reason));
             return;
