@@ -84,7 +84,7 @@ pub(crate) struct Inner {
     /// Dials a peer on first use (lazy connection).
     dialer: lazy::Dialer,
     /// The reading sides of this group's real TCP connections, which a thread waiting for a
-    /// small work may drain itself (see [`socket`]).
+    /// work of up to [`BUSY_POLL_MAX_BYTES`] may drain itself (see [`socket`]).
     readers: RwLock<Vec<Arc<socket::FastReader>>>,
     /// How many threads are polling the readers, and when the last one finished its work.
     polling: Mutex<Polling>,

@@ -7,9 +7,9 @@
 //!
 //! - a sender writes a small frame itself when nothing is queued ahead of it
 //!   ([`super::link::LaneTx`], on the socket the writer task also writes to);
-//! - a thread waiting for a small work reads the socket itself for a while
-//!   ([`FastReader::drain`] with `inline`, called from [`crate::work::Work::wait`]), so that
-//!   the frame that finishes its work wakes nobody;
+//! - a thread waiting for a work of up to [`super::BUSY_POLL_MAX_BYTES`] reads the socket
+//!   itself for a while ([`FastReader::drain`] with `inline`, called from
+//!   [`crate::work::Work::wait`]), so that the frame that finishes its work wakes nobody;
 //! - the runtime is not told of arriving bytes while threads read them ([`FastSocket`],
 //!   [`run_reader`]).
 //!
@@ -157,10 +157,10 @@ impl AsyncWrite for SharedWrite {
 /// The reading side of one connection, shared by its reader task and waiting threads.
 ///
 /// Who reads: the reader task, woken by the connection's one-shot epoll set; or, while threads
-/// wait for small works (see [`super::Polling`]), those threads. Once the set has fired during
-/// such a wait, it is left unarmed, so that later segments wake nobody, and re-armed when no
-/// thread polls any more: at once if the last one went to sleep (it relies on the task now),
-/// else by the task after [`REARM_GRACE`] (see [`run_reader`]).
+/// poll for the works they wait for (see [`super::Polling`]), those threads. Once the set has
+/// fired during such a wait, it is left unarmed, so that later segments wake nobody, and
+/// re-armed when no thread polls any more: at once if the last one went to sleep (it relies on
+/// the task now), else by the task after [`REARM_GRACE`] (see [`run_reader`]).
 pub(crate) struct FastReader {
     socket: Arc<FastSocket>,
     asm: Mutex<Assembler>,
