@@ -66,7 +66,7 @@ pub fn init_process_group() -> Result<ProcessGroup, InitError> {
 /// [`init_process_group`] with explicit configuration.
 pub fn init_process_group_with(cfg: InitConfig, opts: TcpOptions) -> Result<ProcessGroup, InitError> {
     let runtime = tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(2)
+        .worker_threads(opts.io_threads.max(1))
         .thread_name("cohort-tcp")
         .enable_all()
         .build()

@@ -40,7 +40,9 @@ use tokio::task::JoinHandle;
 pub use connect::InitError;
 pub use init::{InitConfig, init_process_group, init_process_group_with};
 pub use monitored::{MONITORED_BARRIER_TAG, MonitoredBarrierError};
-pub use options::{BUSY_POLL_MAX_BYTES, EnvError, MAX_CONNECTIONS_PER_PEER, TcpOptions, resolve_bind_addr};
+pub use options::{
+    BUSY_POLL_MAX_BYTES, EnvError, MAX_CONNECTIONS_PER_PEER, MAX_IO_THREADS, TcpOptions, resolve_bind_addr,
+};
 pub use sparse::SparseTensor;
 pub use split::{Lineage, NEXT_GROUP_ID_KEY, SplitError};
 
