@@ -1,11 +1,14 @@
 #!/usr/bin/env python3
 """Side-by-side figures for cohort's TCP data plane against its anchors, run alternately.
 
-Each repetition runs, one after another: cohort (`cohort bench`), OpenMPI over TCP (the anchor
-program built from MPI_SRC with mpicc, run with `--mca pml ob1 --mca btl tcp,self`), torch's gloo
-(TORCH_BENCH under TORCH_PYTHON) and iperf3 over loopback. An anchor that is not installed is
-skipped and named. Medians over the repetitions are printed as a Markdown table; every raw
-figure goes to --raw as JSON.
+Each repetition runs, one after another: every row of cohort (`cohort bench`) each followed by the
+same row of OpenMPI over TCP (the anchor program built from MPI_SRC with mpicc, run with
+`--mca pml ob1 --mca btl tcp,self`) where it has one, so that each pair runs seconds apart; then
+torch's gloo (TORCH_BENCH under TORCH_PYTHON, all its rows in one run) and iperf3 over loopback.
+An anchor that is not installed is skipped and named. Medians over the repetitions are printed as
+a Markdown table, with the median of the per-repetition time ratios (the machine's speed drifts
+between repetitions; a ratio of two runs taken close together drifts less); every raw figure
+goes to --raw as JSON.
 
     scripts/side_by_side.py --reps 5 --ranks 2 --cohort target/release/cohort \\
         --mpi-src ../shared/bench/mpi_allreduce.c \\
@@ -40,38 +43,39 @@ def run(cmd, timeout=600, env=None):
     return out.stdout
 
 
-def cohort(exe, ranks):
-    """cohort bench rows: name -> (time_us, busbw)."""
-    res = {}
+COHORT_ROWS = {
+    "allreduce 4 B": ["-b", "4", "-e", "4", "-n", "2000", "-w", "200"],
+    "allreduce 1 MiB": ["-b", "1M", "-e", "1M", "-n", "50", "-w", "5"],
+    "allreduce 64 MiB": ["-b", "64M", "-e", "64M", "-n", "5", "-w", "1"],
+    "barrier": ["-o", "barrier", "-n", "2000", "-w", "200"],
+    "0 elements, sync": ["-b", "0", "-e", "0", "-n", "2000", "-w", "200"],
+    "0 elements, 16 in flight": ["-b", "0", "-e", "0", "-n", "500", "-w", "20", "--inflight", "16"],
+}
 
-    def bench(name, args):
-        for line in run([exe, "bench", "--ranks", str(ranks), "-c", "0", "--json", *args]).splitlines():
-            o = json.loads(line)
-            res[name] = (o["time_us"], o["busbw"])
 
-    bench("allreduce 4 B", ["-b", "4", "-e", "4", "-n", "2000", "-w", "200"])
-    bench("allreduce 1 MiB", ["-b", "1M", "-e", "1M", "-n", "50", "-w", "5"])
-    bench("allreduce 64 MiB", ["-b", "64M", "-e", "64M", "-n", "5", "-w", "1"])
-    bench("barrier", ["-o", "barrier", "-n", "2000", "-w", "200"])
-    bench("0 elements, sync", ["-b", "0", "-e", "0", "-n", "2000", "-w", "200"])
-    bench("0 elements, 16 in flight", ["-b", "0", "-e", "0", "-n", "500", "-w", "20", "--inflight", "16"])
-    return res
+def cohort_row(exe, ranks, name):
+    """One cohort bench row: (time_us, busbw)."""
+    for line in run([exe, "bench", "--ranks", str(ranks), "-c", "0", "--json", *COHORT_ROWS[name]]).splitlines():
+        o = json.loads(line)
+        return (o["time_us"], o["busbw"])
+    raise RuntimeError(f"cohort bench printed nothing for {name}")
 
 
 ROW = re.compile(r"^\s+(\d+)\s+(\d+)\s+([\d.]+)\s+([\d.]+)\s+([\d.]+)")
 SIZES = {4: "allreduce 4 B", 1 << 20: "allreduce 1 MiB", 64 << 20: "allreduce 64 MiB"}
+MPI_ROWS = {"allreduce 4 B": (4, 2000, 200), "allreduce 1 MiB": (1 << 20, 50, 5), "allreduce 64 MiB": (64 << 20, 5, 1)}
 
 
-def mpi(exe, ranks):
-    res = {}
+def mpi_row(exe, ranks, name):
+    """One OpenMPI row: (time_us, busbw)."""
+    size, iters, warm = MPI_ROWS[name]
     base = ["mpirun", "--allow-run-as-root", "--oversubscribe", "--mca", "pml", "ob1",
             "--mca", "btl", "tcp,self", "-np", str(ranks), exe]
-    for size, iters, warm in ((4, 2000, 200), (1 << 20, 50, 5), (64 << 20, 5, 1)):
-        for line in run(base + [str(size), str(size), str(iters), str(warm)]).splitlines():
-            m = ROW.match(line)
-            if m and int(m.group(1)) == size:
-                res[SIZES[size]] = (float(m.group(3)), float(m.group(5)))
-    return res
+    for line in run(base + [str(size), str(size), str(iters), str(warm)]).splitlines():
+        m = ROW.match(line)
+        if m and int(m.group(1)) == size:
+            return (float(m.group(3)), float(m.group(5)))
+    raise RuntimeError(f"the MPI anchor printed no row for {size} bytes")
 
 
 def torch(python, script, ranks):
@@ -127,44 +131,63 @@ def main():
     ap.add_argument("--raw", default=None, help="write every figure here (JSON)")
     a = ap.parse_args()
 
-    runners = {"cohort": lambda: cohort(a.cohort, a.ranks)}
+    mpi_exe = None
     skipped = []
     if shutil.which("mpicc") and shutil.which("mpirun") and os.path.exists(a.mpi_src):
-        exe = os.path.join(tempfile.mkdtemp(), "mpi_allreduce")
-        run(["mpicc", "-O2", "-o", exe, a.mpi_src, "-lm"])
-        runners["OpenMPI TCP"] = lambda: mpi(exe, a.ranks)
+        mpi_exe = os.path.join(tempfile.mkdtemp(), "mpi_allreduce")
+        run(["mpicc", "-O2", "-o", mpi_exe, a.mpi_src, "-lm"])
     else:
         skipped.append("OpenMPI (mpicc/mpirun or the anchor source missing)")
+    others = {}
     if a.torch_python and os.path.exists(a.torch_bench):
-        runners["torch gloo"] = lambda: torch(a.torch_python, a.torch_bench, a.ranks)
+        others["torch gloo"] = lambda: torch(a.torch_python, a.torch_bench, a.ranks)
     else:
         skipped.append("torch gloo (give --torch-python or COHORT_TORCH_PYTHON)")
     if shutil.which("iperf3"):
-        runners["iperf3"] = iperf
+        others["iperf3"] = iperf
     else:
         skipped.append("iperf3 (not installed)")
 
-    raw = {name: [] for name in runners}
+    names = ["cohort"] + (["OpenMPI TCP"] if mpi_exe else []) + list(others)
+    raw = {name: [] for name in names}
     for rep in range(a.reps):
-        for name, fn in runners.items():
+        mine, theirs = {}, {}
+        for row in COHORT_ROWS:
+            mine[row] = cohort_row(a.cohort, a.ranks, row)
+            if mpi_exe and row in MPI_ROWS:
+                try:
+                    theirs[row] = mpi_row(mpi_exe, a.ranks, row)
+                except RuntimeError as e:
+                    # An anchor that fails once leaves a gap in its column, not a lost run.
+                    print(f"rep {rep + 1}/{a.reps}: OpenMPI {row} failed, left out: {e}", file=sys.stderr)
+        raw["cohort"].append(mine)
+        if mpi_exe:
+            raw["OpenMPI TCP"].append(theirs)
+        print(f"rep {rep + 1}/{a.reps}: cohort and OpenMPI done", file=sys.stderr)
+        for name, fn in others.items():
             try:
                 raw[name].append(fn())
                 print(f"rep {rep + 1}/{a.reps}: {name} done", file=sys.stderr)
             except RuntimeError as e:
-                if name == "cohort":
-                    raise
-                # An anchor that fails once leaves a gap in its column, not a lost run.
                 print(f"rep {rep + 1}/{a.reps}: {name} failed, left out: {e}", file=sys.stderr)
+                raw[name].append({})
     if a.raw:
         with open(a.raw, "w") as f:
             json.dump(raw, f, indent=1)
 
-    rows = ["allreduce 4 B", "allreduce 1 MiB", "allreduce 64 MiB", "barrier", "0 elements, sync",
-            "0 elements, 16 in flight"]
-    cols = [n for n in runners if n != "iperf3"]
+    rows = list(COHORT_ROWS)
+    cols = [n for n in names if n != "iperf3"]
+    # Time ratios of two columns, taken per repetition (same rep, close in time), then the median.
+    pairs = [(x, y) for x, y in (("cohort", "OpenMPI TCP"), ("torch gloo", "cohort")) if x in cols and y in cols]
+
+    def ratio(x, y, row):
+        rs = [a[row][0] / b[row][0] for a, b in zip(raw[x], raw[y]) if row in a and row in b and b[row][0] > 0]
+        return f"{statistics.median(rs):.2f}" if rs else "-"
+
     print(f"\n{a.ranks} ranks, {a.reps} alternating repetitions, medians: µs per op (busbw GB/s)\n")
-    print("| | " + " | ".join(cols) + " |")
-    print("|---|" + "---:|" * len(cols))
+    heads = cols + [f"{x} ÷ {y} (time)" for x, y in pairs]
+    print("| | " + " | ".join(heads) + " |")
+    print("|---|" + "---:|" * len(heads))
     for row in rows:
         cells = []
         for name in cols:
@@ -175,6 +198,7 @@ def main():
             t = statistics.median(v[0] for v in vals)
             bw = statistics.median(v[1] for v in vals)
             cells.append(f"{t:.1f} ({bw:.3f})" if "MiB" in row else f"{t:.1f}")
+        cells += [ratio(x, y, row) for x, y in pairs]
         print(f"| {row} | " + " | ".join(cells) + " |")
     if raw.get("iperf3"):
         bws = [r["loopback TCP (iperf3, one stream)"][1] for r in raw["iperf3"]]
