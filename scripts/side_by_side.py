@@ -62,8 +62,9 @@ def cohort_row(exe, ranks, name):
 
 
 ROW = re.compile(r"^\s+(\d+)\s+(\d+)\s+([\d.]+)\s+([\d.]+)\s+([\d.]+)")
-SIZES = {4: "allreduce 4 B", 1 << 20: "allreduce 1 MiB", 64 << 20: "allreduce 64 MiB"}
+# Rows the size-based anchors have: name -> (bytes, iterations, warm-up), as cohort's rows.
 MPI_ROWS = {"allreduce 4 B": (4, 2000, 200), "allreduce 1 MiB": (1 << 20, 50, 5), "allreduce 64 MiB": (64 << 20, 5, 1)}
+SIZES = {size: name for name, (size, _, _) in MPI_ROWS.items()}
 
 
 def mpi_row(exe, ranks, name):
