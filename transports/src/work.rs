@@ -141,6 +141,9 @@ pub(crate) trait Progress: Send + Sync {
     fn sleep(&self);
     /// It stopped waiting after `time`; `polled`: it had polled for all the time granted before.
     fn woke(&self, time: Duration, polled: bool);
+    /// Someone waits for a work or asks about it: send what the group holds back now (a work
+    /// may need this rank's own frames to end; see the TCP backend's `Corks`).
+    fn flush(&self);
 }
 
 /// A group's [`Progress`], shared by its works.
@@ -312,7 +315,7 @@ impl Work {
         let budget = progress.begin();
         let start = std::time::Instant::now();
         let mut spent = true;
-        while !self.is_completed() && start.elapsed() < budget {
+        while !self.ended() && start.elapsed() < budget {
             match progress.poll() {
                 Some(true) => {}
                 Some(false) => std::hint::spin_loop(),
@@ -322,12 +325,20 @@ impl Work {
                 }
             }
         }
-        progress.stop(self.is_completed());
+        progress.stop(self.ended());
         spent
+    }
+
+    /// Send what the group holds back (see [`Progress::flush`]).
+    fn flush(&self) {
+        if let Some((p, _)) = self.shared.progress.get() {
+            p.flush();
+        }
     }
 
     /// Block until the work ends; `Ok` if it succeeded.
     pub fn wait(&self) -> Result<(), WorkError> {
+        self.flush();
         let progress = self.shared.progress.get();
         let polled = match progress {
             Some((progress, true)) => self.busy_poll(progress),
@@ -357,6 +368,7 @@ impl Work {
     /// Block at most `timeout`. The work goes on after [`WorkError::WaitTimedOut`] (its own
     /// deadline is the watchdog's business).
     pub fn wait_timeout(&self, timeout: Duration) -> Result<(), WorkError> {
+        self.flush();
         let asleep = self.shared.progress.get().map(|(p, _)| {
             p.sleep();
             (p, std::time::Instant::now())
@@ -381,8 +393,14 @@ impl Work {
         outcome
     }
 
-    /// Whether the work has ended (successfully or not).
+    /// Whether the work has ended (successfully or not). A thread that polls this instead of
+    /// waiting still sends what its submits held back.
     pub fn is_completed(&self) -> bool {
+        self.flush();
+        self.ended()
+    }
+
+    fn ended(&self) -> bool {
         let slot = self.shared.lock();
         slot.summary.is_some() || slot.dropped
     }
@@ -470,6 +488,7 @@ impl Future for Work {
     type Output = Result<Vec<Tensor>, WorkError>;
 
     fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
+        self.flush();
         let mut slot = self.shared.lock();
         if slot.summary.is_none() && !slot.dropped {
             if !slot.wakers.iter().any(|w| w.will_wake(cx.waker())) {

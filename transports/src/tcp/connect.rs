@@ -204,6 +204,7 @@ impl ProcessGroup {
                 group_id: gid,
                 opts,
                 unwritten: state.writing_count(),
+                corks: state.corks(),
                 state: Mutex::new(state),
                 timer: Notify::new(),
                 hook: RwLock::new(None),
@@ -225,7 +226,11 @@ impl ProcessGroup {
             attach(&inner, peer, stream, rx);
         }
         let weak = Arc::downgrade(&inner);
-        let mut tasks = vec![tokio::spawn(run_timer(weak.clone())), tokio::spawn(watch_store_errors(weak.clone()))];
+        let mut tasks = vec![
+            tokio::spawn(run_timer(weak.clone())),
+            tokio::spawn(watch_store_errors(weak.clone())),
+            tokio::spawn(inner.corks.clone().watch()),
+        ];
         if let Some(listener) = lazy_listener {
             let expect = HandshakeExpectation::new(gid, me, world_size).with_connections_per_peer(k);
             tasks.push(tokio::spawn(super::lazy::serve_accepts(listener, weak, expect)));

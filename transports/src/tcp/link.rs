@@ -102,25 +102,56 @@ impl Drop for Pooled {
     }
 }
 
-/// Frames up to this size may be written by the thread that sends them (see [`LaneTx`]).
+/// Frames up to this size may be written by the thread that sends them (see [`LaneTx::send`];
+/// a collective's chunk, sent from its buffer with [`LaneTx::send_slice`], may be larger).
 const DIRECT_LIMIT: usize = COALESCE_LIMIT;
+
+/// The most bytes one connection holds back for a submitting thread (see [`Corks`]); a frame
+/// that would take it past this goes out at once, what was held back ahead of it first.
+const CORK_LIMIT: usize = COALESCE_LIMIT;
+
+/// How long frames may stay held back when nobody waits for a work of the group: the watcher
+/// ([`Corks::watch`]) writes them after this (tokio's timer rounds it up to its next tick).
+pub(crate) const CORK_TIMEOUT: std::time::Duration = std::time::Duration::from_millis(1);
 
 /// Where a frame went.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) enum Sent {
     /// Queued for the connection's writer task, which reports when it is written.
     Queued,
-    /// Already on the socket, written by the sending thread (nobody is told later).
+    /// Already on the socket, written by the sending thread, or held back for the next write
+    /// (see [`Corks`]); nobody is told later.
     Written,
     /// The connection's writer is gone.
     Gone,
 }
 
+/// How a frame may go out (see [`LaneTx::send_slice`]); by default, through the writer task's
+/// queue.
+#[derive(Debug, Clone, Default)]
+pub(crate) struct SendMode {
+    /// The sending thread may write the frame itself when nothing is queued ahead of it.
+    pub(crate) direct: bool,
+    /// A small frame is held back with the connection's other small frames until a thread
+    /// waits for a work of the group, or [`CORK_TIMEOUT`] passes (a thread that submits a
+    /// burst of small works then sends them all with one write).
+    pub(crate) cork: Option<Arc<Corks>>,
+}
+
+impl SendMode {
+    /// Through the writer task's queue.
+    pub(crate) const QUEUE: SendMode = SendMode { direct: false, cork: None };
+    /// Written by the sending thread if nothing is queued ahead of it.
+    #[cfg(test)]
+    pub(crate) const DIRECT: SendMode = SendMode { direct: true, cork: None };
+}
+
 /// One connection as senders see it: the queue of its writer task and, on a real TCP socket,
 /// the socket itself. A small frame with nothing queued ahead of it is written at once by the
 /// thread that sends it, sparing a hop to the writer task (and on two cores, the wake-up that
-/// hop costs); everything else, including what a non-blocking write leaves unwritten, goes
-/// through the queue, so that frames keep their order.
+/// hop costs), or held back to go out with the next ones ([`SendMode::cork`]); everything else,
+/// including what a non-blocking write leaves unwritten, goes through the queue, so that
+/// frames keep their order.
 #[derive(Debug)]
 pub(crate) struct LaneTx {
     tx: mpsc::UnboundedSender<Outbound>,
@@ -138,11 +169,13 @@ pub(crate) struct LaneRx {
 pub(crate) fn lane() -> (LaneTx, LaneRx) {
     let (tx, rx) = mpsc::unbounded_channel();
     let gate = Arc::new(Gate::default());
+    gate.lock().tx = Some(tx.downgrade());
     (LaneTx { tx, gate: gate.clone() }, LaneRx { rx, gate })
 }
 
-/// Orders direct writes against the writer task: a frame may be written directly only when
-/// no frame is queued or being written.
+/// Orders direct writes against the writer task: a frame may be written directly, or held
+/// back, only when no frame is queued or being written; held-back bytes go out before
+/// anything queued after them.
 #[derive(Debug, Default)]
 pub(crate) struct Gate(Mutex<GateState>);
 
@@ -152,6 +185,53 @@ struct GateState {
     queued: usize,
     /// The socket, once known to be a real TCP socket (the one the writer task writes to).
     socket: Option<Arc<std::net::TcpStream>>,
+    /// Whole frames held back (see [`Corks`]). Never non-empty while `queued` is not 0.
+    cork: Vec<u8>,
+    /// The gate is on its group's [`Corks`] list.
+    listed: bool,
+    /// The writer task's queue, for what a flush leaves unwritten (weak: the queue closes
+    /// when the driver drops its [`LaneTx`]).
+    tx: Option<mpsc::WeakUnboundedSender<Outbound>>,
+    /// The writer task took the last held-back bytes on its way out.
+    closed: bool,
+}
+
+impl GateState {
+    /// Write the held-back bytes now; what the socket does not take goes to the writer's
+    /// queue (ahead of anything queued later). False if that queue is gone (the bytes stay for
+    /// the writer's last write, see [`Gate::close`]).
+    fn unload(&mut self, tx: Option<&mpsc::UnboundedSender<Outbound>>) -> bool {
+        if self.cork.is_empty() {
+            return true;
+        }
+        let done = self.socket.as_ref().map_or(0, |s| write_now(s, &self.cork, &[]));
+        if done == self.cork.len() {
+            self.cork.clear();
+            return true;
+        }
+        let rest = Bytes::copy_from_slice(&self.cork[done..]);
+        let upgraded;
+        let tx = match tx {
+            Some(tx) => tx,
+            None => match self.tx.as_ref().and_then(mpsc::WeakUnboundedSender::upgrade) {
+                Some(t) => {
+                    upgraded = t;
+                    &upgraded
+                }
+                None => {
+                    self.cork.drain(..done);
+                    return false;
+                }
+            },
+        };
+        if tx.send(Outbound::bytes(rest)).is_err() {
+            self.cork.drain(..done);
+            return false;
+        }
+        self.cork.clear();
+        self.queued += 1;
+        true
+    }
 }
 
 impl Gate {
@@ -169,32 +249,146 @@ impl Gate {
         let mut g = self.lock();
         g.queued = g.queued.saturating_sub(n);
     }
+
+    /// Write what is held back (see [`Corks::flush`]).
+    fn flush(&self) {
+        let mut g = self.lock();
+        g.listed = false;
+        g.unload(None);
+    }
+
+    /// The writer task is done with its queue: the bytes still held back, for its last write.
+    pub(crate) fn close(&self) -> Vec<u8> {
+        let mut g = self.lock();
+        g.closed = true;
+        std::mem::take(&mut g.cork)
+    }
+}
+
+/// A group's held-back frames ([`SendMode::cork`]). A thread that submits several small works
+/// in a row (16 all-reduces, then a wait for each) would otherwise write one frame per submit,
+/// and on loopback one small write costs about as much as one large one (the sender's system
+/// call also runs the receiver's side of TCP). So the frames of a submit that follows another
+/// with no wait in between (a burst; [`Corks::in_burst`]) are held back per connection, and go
+/// out together when a thread waits for (or asks about) a work of the group, when a later frame
+/// on the connection cannot be held back, or, if none of that happens, once the watcher task's
+/// [`CORK_TIMEOUT`] has passed. A submit right after a wait (the common submit-then-wait)
+/// writes at once: holding its frame back would only move the write into the wait, and arming
+/// the watcher for it would cost a wake-up.
+#[derive(Debug, Default)]
+pub(crate) struct Corks {
+    /// Submits since someone last waited for a work (see [`Corks::in_burst`]).
+    submits: std::sync::atomic::AtomicU32,
+    /// Gates with bytes held back.
+    held: Mutex<Vec<Arc<Gate>>>,
+    /// `held` is not empty (read without its lock by every flush).
+    any: std::sync::atomic::AtomicBool,
+    /// The watcher has been told of held-back bytes and has not flushed since.
+    armed: std::sync::atomic::AtomicBool,
+    /// Wakes the watcher.
+    wake: tokio::sync::Notify,
+}
+
+impl Corks {
+    fn held(&self) -> std::sync::MutexGuard<'_, Vec<Arc<Gate>>> {
+        self.held.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// `gate` holds bytes back now (called under its lock).
+    fn hold(&self, gate: Arc<Gate>) {
+        use std::sync::atomic::Ordering::SeqCst;
+        {
+            let mut held = self.held();
+            held.push(gate);
+            self.any.store(true, SeqCst);
+        }
+        if !self.armed.swap(true, SeqCst) {
+            self.wake.notify_one();
+        }
+    }
+
+    /// A user submits a work: whether it follows another submit with no wait since (then its
+    /// frames are held back).
+    pub(crate) fn in_burst(&self) -> bool {
+        self.submits.fetch_add(1, std::sync::atomic::Ordering::Relaxed) > 0
+    }
+
+    /// Someone waits for or asks about a work: write every held-back frame of the group now.
+    pub(crate) fn flush(&self) {
+        self.submits.store(0, std::sync::atomic::Ordering::Relaxed);
+        self.write_held();
+    }
+
+    /// Write every held-back frame of the group now.
+    fn write_held(&self) {
+        use std::sync::atomic::Ordering::SeqCst;
+        if !self.any.load(SeqCst) {
+            return;
+        }
+        let gates = {
+            let mut held = self.held();
+            self.any.store(false, SeqCst);
+            std::mem::take(&mut *held)
+        };
+        for gate in gates {
+            gate.flush();
+        }
+    }
+
+    /// The watcher: once told of held-back bytes, wait [`CORK_TIMEOUT`] and write whatever
+    /// is still held back, so that a work nobody waits for still goes out.
+    pub(crate) async fn watch(self: Arc<Self>) {
+        loop {
+            self.wake.notified().await;
+            tokio::time::sleep(CORK_TIMEOUT).await;
+            self.armed.store(false, std::sync::atomic::Ordering::SeqCst);
+            self.write_held();
+        }
+    }
 }
 
 impl LaneTx {
-    /// Write `out` now if `direct` is allowed, it is small and nothing is queued ahead of it;
-    /// else queue it (what a direct write leaves unwritten included).
-    pub(crate) fn send(&self, out: Outbound, direct: bool) -> Sent {
-        let direct = direct && out.payload.len() <= DIRECT_LIMIT;
+    /// Write `out` now, hold it back, or queue it, as `mode` allows (see [`SendMode`]).
+    pub(crate) fn send(&self, out: Outbound, mode: SendMode) -> Sent {
         let Outbound { header, payload, written, .. } = out;
-        self.send_slice(header, &payload, written, direct, |rest| payload.slice(payload.len() - rest.len()..))
+        // Only small frames are written by the sender here (see [`DIRECT_LIMIT`]).
+        let mode = SendMode { direct: mode.direct && payload.len() <= DIRECT_LIMIT, ..mode };
+        self.send_slice(header, &payload, written, mode, |rest| payload.slice(payload.len() - rest.len()..))
     }
 
-    /// Write `header` and `payload` now if `direct` is allowed and nothing is queued ahead of
-    /// them, straight from the caller's memory; queue what is left (or everything) as `own`
-    /// makes it: an owned copy of the bytes it is given.
+    /// Send `header` and `payload` as `mode` allows: held back or written now (straight from
+    /// the caller's memory) if the frame is small and nothing is queued ahead of it; queue
+    /// what is left (or everything) as `own` makes it: an owned copy of the bytes it is given.
     pub(crate) fn send_slice(
         &self,
         header: FrameHeader,
         payload: &[u8],
         written: Option<Written>,
-        direct: bool,
+        mode: SendMode,
         own: impl FnOnce(&[u8]) -> Bytes,
     ) -> Sent {
         let mut g = self.gate.lock();
         let head = header.encode();
+        if let Some(corks) = &mode.cork
+            && g.queued == 0
+            && !self.tx.is_closed()
+            && !g.closed
+            && g.socket.is_some()
+            && g.cork.len() + HEADER_LEN + payload.len() <= CORK_LIMIT
+        {
+            g.cork.extend_from_slice(&head);
+            g.cork.extend_from_slice(payload);
+            if !std::mem::replace(&mut g.listed, true) {
+                corks.hold(self.gate.clone());
+            }
+            return Sent::Written;
+        }
+        // What is held back goes first.
+        if !g.unload(Some(&self.tx)) {
+            return Sent::Gone;
+        }
         let mut done = 0;
-        if direct
+        if mode.direct
             && g.queued == 0
             && !self.tx.is_closed()
             && let Some(socket) = g.socket.clone()
@@ -247,9 +441,9 @@ impl Lanes {
         Lanes { lanes, next: std::sync::atomic::AtomicUsize::new(0) }
     }
 
-    /// Write or queue `out` on its connection (see [`LaneTx::send`] for `direct`).
-    pub(crate) fn send(&self, out: Outbound, direct: bool) -> Sent {
-        self.lane_for(&out.header, out.payload.len()).map_or(Sent::Gone, |tx| tx.send(out, direct))
+    /// Send `out` on its connection as `mode` allows (see [`LaneTx::send`]).
+    pub(crate) fn send(&self, out: Outbound, mode: SendMode) -> Sent {
+        self.lane_for(&out.header, out.payload.len()).map_or(Sent::Gone, |tx| tx.send(out, mode))
     }
 
     /// The connection a frame with `header` and a payload of `len` bytes goes on.
@@ -372,6 +566,12 @@ pub(crate) struct Outbound {
 impl Outbound {
     pub(crate) fn new(header: FrameHeader, payload: Bytes, written: Option<Written>) -> Self {
         Outbound { header, payload, written, skip: 0 }
+    }
+
+    /// Bytes of whole frames, headers included (held back, see [`Corks`]): nothing of
+    /// `header` is left to write, and nobody is told when they are written.
+    fn bytes(frames: Bytes) -> Self {
+        Outbound { header: FrameHeader::heartbeat(Rank(0)), payload: frames, written: None, skip: HEADER_LEN }
     }
 }
 
@@ -647,7 +847,12 @@ pub(crate) async fn run_writer<W>(
             return;
         }
     }
-    // The driver closed the channel: say goodbye so the peer knows this is no crash.
+    // The driver closed the channel: what was held back, then a goodbye, so the peer knows this
+    // is no crash.
+    let held = gate.close();
+    if !held.is_empty() {
+        let _ = stream.write_all(&held).await;
+    }
     let _ = stream.write_all(&FrameHeader::goodbye(me).encode()).await;
     let _ = stream.flush().await;
     let _ = stream.shutdown().await;
@@ -678,15 +883,15 @@ mod tests {
         let lanes = Lanes::new(txs);
         let big = COALESCE_LIMIT + 1;
         for _ in 0..6 {
-            assert_eq!(lanes.send(frame(FrameKind::Data, big), false), Sent::Queued);
+            assert_eq!(lanes.send(frame(FrameKind::Data, big), SendMode::QUEUE), Sent::Queued);
         }
-        assert_eq!(lanes.send(frame(FrameKind::Data, 16), false), Sent::Queued);
-        assert_eq!(lanes.send(frame(FrameKind::P2p, big), false), Sent::Queued);
-        assert_eq!(lanes.send(frame(FrameKind::Error, 8), false), Sent::Queued);
+        assert_eq!(lanes.send(frame(FrameKind::Data, 16), SendMode::QUEUE), Sent::Queued);
+        assert_eq!(lanes.send(frame(FrameKind::P2p, big), SendMode::QUEUE), Sent::Queued);
+        assert_eq!(lanes.send(frame(FrameKind::Error, 8), SendMode::QUEUE), Sent::Queued);
         let counts: Vec<usize> = rxs.iter_mut().map(|r| std::iter::from_fn(|| r.rx.try_recv().ok()).count()).collect();
         assert_eq!(counts, vec![2 + 3, 2, 2]);
         drop(rxs);
-        assert_eq!(lanes.send(frame(FrameKind::Data, 16), false), Sent::Gone, "a closed connection refuses");
+        assert_eq!(lanes.send(frame(FrameKind::Data, 16), SendMode::QUEUE), Sent::Gone, "a closed connection refuses");
     }
 
     #[test]
@@ -842,7 +1047,7 @@ mod tests {
         loop {
             let (h, p) = data(i, 1000, i as u8);
             i += 1;
-            let sent = lane_tx.send(Outbound::new(h, Bytes::from(p.clone()), None), true);
+            let sent = lane_tx.send(Outbound::new(h, Bytes::from(p.clone()), None), SendMode::DIRECT);
             frames.push((h, p));
             match sent {
                 Sent::Written => direct += 1,
@@ -857,7 +1062,7 @@ mod tests {
             } else {
                 data(i + j, (j as usize * 37) % 900, j as u8)
             };
-            assert_eq!(lane_tx.send(Outbound::new(h, Bytes::from(p.clone()), None), true), Sent::Queued);
+            assert_eq!(lane_tx.send(Outbound::new(h, Bytes::from(p.clone()), None), SendMode::DIRECT), Sent::Queued);
             frames.push((h, p));
         }
         drop(lane_tx);
@@ -874,6 +1079,126 @@ mod tests {
         assert_eq!(got_frames.len(), frames.len());
         assert!(got_frames == frames, "frames arrive whole and in order");
         assert!(reason(last).1, "and the goodbye last");
+        assert_eq!(got, want);
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn held_back_direct_and_queued_frames_keep_their_order_even_against_a_full_socket() {
+        let (tx, rx) = socket_pair().await;
+        let fast = Arc::new(super::super::socket::take(tx).map_err(|(e, _)| e).unwrap());
+        let (lane_tx, lane_rx) = lane();
+        lane_rx.gate.open(fast.std());
+        let (err_tx, _err_rx) = mpsc::unbounded_channel();
+        let w = super::super::socket::SharedWrite(fast);
+        let writer = tokio::spawn(run_writer(Rank(1), Rank(0), w, lane_rx, err_tx));
+        let corks = Arc::new(Corks::default());
+        // Nobody reads until the end: the socket fills up while frames are held back, written
+        // directly, queued and flushed in a mix; they must all arrive whole and in order.
+        let mut frames = Vec::new();
+        let mut held = 0;
+        for i in 0..4000u64 {
+            // Small frames first (nothing is queued yet, so frames are held back), then large
+            // and queued ones in between.
+            let len = match i % 13 {
+                0 if i >= 200 => 3 * STAGING,
+                k => (k as usize * 311 + i as usize) % 2000,
+            };
+            let (h, p) = data(i, len, i as u8);
+            let mode = match i % 7 {
+                0 => SendMode::DIRECT,
+                1 if i >= 200 => SendMode::QUEUE,
+                _ => SendMode { direct: true, cork: Some(corks.clone()) },
+            };
+            let cork = mode.cork.is_some();
+            let sent = lane_tx.send(Outbound::new(h, Bytes::from(p.clone()), None), mode);
+            assert_ne!(sent, Sent::Gone, "the writer is alive");
+            held += usize::from(cork && sent == Sent::Written);
+            frames.push((h, p));
+            if i % 50 == 49 {
+                corks.flush();
+            }
+        }
+        assert!(held > 0, "some frames were held back");
+        drop(lane_tx);
+        let reader = std::thread::spawn(move || {
+            let mut bytes = Vec::new();
+            std::io::Read::read_to_end(&mut &rx, &mut bytes).unwrap();
+            bytes
+        });
+        corks.flush();
+        writer.await.unwrap();
+        let mut want = wire(&frames);
+        want.extend_from_slice(&FrameHeader::goodbye(Rank(1)).encode());
+        let got = tokio::task::spawn_blocking(move || reader.join().unwrap()).await.unwrap();
+        let (got_frames, last) = assemble(&got, &[STAGING]);
+        assert_eq!(got_frames.len(), frames.len());
+        assert!(got_frames == frames, "frames arrive whole and in order");
+        assert!(reason(last).1, "and the goodbye last");
+        assert_eq!(got, want);
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn held_back_frames_go_out_without_a_flush_once_the_watcher_s_time_is_up() {
+        let (tx, rx) = socket_pair().await;
+        let fast = Arc::new(super::super::socket::take(tx).map_err(|(e, _)| e).unwrap());
+        let (lane_tx, lane_rx) = lane();
+        lane_rx.gate.open(fast.std());
+        let (err_tx, _err_rx) = mpsc::unbounded_channel();
+        let writer =
+            tokio::spawn(run_writer(Rank(1), Rank(0), super::super::socket::SharedWrite(fast), lane_rx, err_tx));
+        let corks = Arc::new(Corks::default());
+        let watcher = tokio::spawn(corks.clone().watch());
+        let frames: Vec<_> = (0..3u64).map(|i| data(i, 10, i as u8)).collect();
+        for (h, p) in &frames {
+            let sent = lane_tx.send(
+                Outbound::new(*h, Bytes::from(p.clone()), None),
+                SendMode { direct: true, cork: Some(corks.clone()) },
+            );
+            assert_eq!(sent, Sent::Written, "a small frame on an idle connection is held back");
+        }
+        let want = wire(&frames);
+        let got = tokio::task::spawn_blocking(move || {
+            let mut got = vec![0u8; want.len()];
+            rx.set_read_timeout(Some(std::time::Duration::from_secs(5))).unwrap();
+            std::io::Read::read_exact(&mut &rx, &mut got).map(|()| (got, want))
+        })
+        .await
+        .unwrap();
+        let (got, want) = got.expect("the watcher writes held-back frames nobody flushed");
+        assert_eq!(got, want);
+        watcher.abort();
+        drop(lane_tx);
+        writer.await.unwrap();
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_closing_writer_sends_what_was_held_back_before_its_goodbye() {
+        let (tx, rx) = socket_pair().await;
+        let fast = Arc::new(super::super::socket::take(tx).map_err(|(e, _)| e).unwrap());
+        let (lane_tx, lane_rx) = lane();
+        lane_rx.gate.open(fast.std());
+        let (err_tx, _err_rx) = mpsc::unbounded_channel();
+        let writer =
+            tokio::spawn(run_writer(Rank(1), Rank(0), super::super::socket::SharedWrite(fast), lane_rx, err_tx));
+        let corks = Arc::new(Corks::default());
+        let frames = vec![data(7, 100, 7)];
+        let (h, p) = &frames[0];
+        let sent = lane_tx.send(
+            Outbound::new(*h, Bytes::from(p.clone()), None),
+            SendMode { direct: true, cork: Some(corks.clone()) },
+        );
+        assert_eq!(sent, Sent::Written);
+        drop(lane_tx);
+        writer.await.unwrap();
+        let got = tokio::task::spawn_blocking(move || {
+            let mut bytes = Vec::new();
+            std::io::Read::read_to_end(&mut &rx, &mut bytes).unwrap();
+            bytes
+        })
+        .await
+        .unwrap();
+        let mut want = wire(&frames);
+        want.extend_from_slice(&FrameHeader::goodbye(Rank(1)).encode());
         assert_eq!(got, want);
     }
 
@@ -898,7 +1223,7 @@ mod tests {
         for i in 0..20u64 {
             let (h, p) = data(i, if i == 7 { 3 * STAGING } else { 100 }, 1);
             let written = Some(Written { id: WorkId(i), hook: hook.clone() });
-            assert_eq!(lane_tx.send(Outbound::new(h, Bytes::from(p), written), false), Sent::Queued);
+            assert_eq!(lane_tx.send(Outbound::new(h, Bytes::from(p), written), SendMode::QUEUE), Sent::Queued);
         }
         drop(lane_tx);
         let (w, mut r) = tokio::io::duplex(1 << 20);
@@ -920,7 +1245,7 @@ mod tests {
         for i in 0..10u64 {
             let (h, p) = data(i, 100, 1);
             let written = Some(Written { id: WorkId(i), hook: hook.clone() });
-            lane_tx.send(Outbound::new(h, Bytes::from(p), written), false);
+            lane_tx.send(Outbound::new(h, Bytes::from(p), written), SendMode::QUEUE);
         }
         let (w, r) = tokio::io::duplex(64);
         drop(r);
@@ -929,7 +1254,8 @@ mod tests {
         assert!(matches!(err_rx.recv().await, Some(Inbound::Closed { clean: false, .. })));
         // Frames queued after the failure are refused or told failed too.
         let (h, p) = data(10, 100, 1);
-        let late = lane_tx.send(Outbound::new(h, Bytes::from(p), Some(Written { id: WorkId(10), hook })), false);
+        let late =
+            lane_tx.send(Outbound::new(h, Bytes::from(p), Some(Written { id: WorkId(10), hook })), SendMode::QUEUE);
         drop(lane_tx);
         writer.await.unwrap();
         let calls = calls.lock().unwrap().clone();

@@ -95,6 +95,8 @@ pub(crate) struct Inner {
     progress: crate::work::ProgressFn,
     /// Frames of this rank waiting for the writer tasks ([`DriverState::writing_count`]).
     unwritten: Arc<std::sync::atomic::AtomicUsize>,
+    /// Small frames held back for one write ([`DriverState::corks`]).
+    corks: Arc<link::Corks>,
 }
 
 /// Who waits for a group's works, for its fast connections (see [`socket::FastReader`]):
@@ -182,6 +184,12 @@ impl crate::work::Progress for Poller {
         p.sleepers = p.sleepers.saturating_sub(1);
         if polled {
             p.adapt(time);
+        }
+    }
+
+    fn flush(&self) {
+        if let Some(inner) = self.0.upgrade() {
+            inner.corks.flush();
         }
     }
 }

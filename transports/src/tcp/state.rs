@@ -16,7 +16,7 @@ use cohort_core::tensor::Tensor;
 use cohort_core::work::{GroupId, Rank, SeqNo, WorkId};
 
 use super::collective::{CollectiveRun, Step};
-use super::link::{LaneRx, LaneTx, Lanes, Outbound, Sent};
+use super::link::{Corks, LaneRx, LaneTx, Lanes, Outbound, SendMode, Sent};
 use crate::work::{Work, WorkCompleter};
 
 /// What the user handed in with a work, and what it becomes.
@@ -129,6 +129,11 @@ pub(crate) struct DriverState {
     /// The deadline the timer task sleeps until (`None`: none), so that an input wakes it only
     /// when it moves the next deadline earlier.
     timer_armed: Option<Instant>,
+    /// Small frames held back for one write (see [`Corks`]).
+    corks: std::sync::Arc<Corks>,
+    /// A user's submit in a burst is being handled: the small frames it sends are held back
+    /// ([`Corks::in_burst`]).
+    corking: bool,
 }
 
 struct WrittenHook(OnWritten);
@@ -168,6 +173,8 @@ impl DriverState {
             dial_requests: Vec::new(),
             idle: Vec::new(),
             timer_armed: None,
+            corks: Default::default(),
+            corking: false,
         }
     }
 
@@ -281,7 +288,9 @@ impl DriverState {
                 throttled: false,
             },
         );
+        self.corking = self.corks.in_burst();
         self.drain(now, effects);
+        self.corking = false;
         effects.rearm_timer = true;
         Ok(work)
     }
@@ -442,9 +451,9 @@ impl DriverState {
     /// Queue a frame of work `id` for `to`; false if the link is gone.
     fn send_frame(&mut self, id: WorkId, to: Rank, header: FrameHeader, payload: Bytes) -> bool {
         let written = super::link::Written { id, hook: self.on_written.0.clone() };
-        let direct = self.direct();
+        let mode = self.mode();
         let Some(lanes) = self.lanes_for(to) else { return false };
-        let sent = lanes.send(Outbound::new(header, payload, Some(written)), direct);
+        let sent = lanes.send(Outbound::new(header, payload, Some(written)), mode);
         self.count_sent(id, to, sent)
     }
 
@@ -454,10 +463,17 @@ impl DriverState {
         self.unwritten_total.clone()
     }
 
-    /// Whether a sender may write its frames itself: when one work is in flight (a round trip
-    /// waits on it). With several, the writer task coalesces their frames into fewer writes.
-    fn direct(&self) -> bool {
-        self.pending.len() <= 1
+    /// The group's held-back frames, for the threads that wait and for the watcher task.
+    pub(crate) fn corks(&self) -> std::sync::Arc<Corks> {
+        self.corks.clone()
+    }
+
+    /// How a frame may go out now. A user's submit in a burst holds its small frames back (they
+    /// go out when a thread waits, see [`Corks`]). Otherwise a sender may write its frames
+    /// itself when one work is in flight (a round trip waits on it); with several, the writer
+    /// task coalesces their frames into fewer writes.
+    fn mode(&self) -> SendMode {
+        SendMode { direct: self.pending.len() <= 1, cork: self.corking.then(|| self.corks.clone()) }
     }
 
     /// Count a frame of work `id` to `to` that was queued (it must be written before the work
@@ -639,7 +655,7 @@ impl DriverState {
             let to = out.to;
             // Straight from the collective's buffer when this thread writes it; whatever the
             // socket does not take now is copied and queued.
-            let direct = self.direct();
+            let mode = self.mode();
             let sent = match self.lanes_for(to).is_some() {
                 false => Sent::Gone,
                 true => {
@@ -654,7 +670,7 @@ impl DriverState {
                     let written = super::link::Written { id, hook: on_written.0.clone() };
                     let lane =
                         writers.get(to.index()).and_then(Option::as_ref).and_then(|l| l.lane_for(&header, bytes.len()));
-                    lane.map_or(Sent::Gone, |l| l.send_slice(header, bytes, Some(written), direct, |b| pool.bytes(b)))
+                    lane.map_or(Sent::Gone, |l| l.send_slice(header, bytes, Some(written), mode, |b| pool.bytes(b)))
                 }
             };
             if !self.count_sent(id, to, sent) {
@@ -804,5 +820,5 @@ impl DriverState {
 
 /// Queue a frame for `to`; false if the link is gone.
 fn send(writers: &[Option<Lanes>], to: Rank, out: Outbound) -> bool {
-    writers.get(to.index()).and_then(Option::as_ref).is_some_and(|lanes| lanes.send(out, false) != Sent::Gone)
+    writers.get(to.index()).and_then(Option::as_ref).is_some_and(|lanes| lanes.send(out, SendMode::QUEUE) != Sent::Gone)
 }
