@@ -356,9 +356,11 @@ impl LaneTx {
         self.send_slice(header, &payload, written, mode, |rest| payload.slice(payload.len() - rest.len()..))
     }
 
-    /// Send `header` and `payload` as `mode` allows: held back or written now (straight from
-    /// the caller's memory) if the frame is small and nothing is queued ahead of it; queue
-    /// what is left (or everything) as `own` makes it: an owned copy of the bytes it is given.
+    /// Send `header` and `payload` as `mode` allows, if nothing is queued ahead of them: held
+    /// back if `mode.cork` and the connection's held-back bytes stay within [`CORK_LIMIT`], else
+    /// written now if `mode.direct` (straight from the caller's memory, after what was held
+    /// back); queue what is left (or everything) as `own` makes it: an owned copy of the bytes
+    /// it is given.
     pub(crate) fn send_slice(
         &self,
         header: FrameHeader,
