@@ -1031,15 +1031,44 @@ mod tests {
         (tx, rx)
     }
 
-    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-    async fn direct_writes_and_queued_frames_keep_their_order_even_against_a_full_socket() {
+    /// A lane on a real socket with its writer task running: the lane, the peer's end, the
+    /// writer.
+    async fn fast_lane() -> (LaneTx, std::net::TcpStream, tokio::task::JoinHandle<()>) {
         let (tx, rx) = socket_pair().await;
         let fast = Arc::new(super::super::socket::take(tx).map_err(|(e, _)| e).unwrap());
         let (lane_tx, lane_rx) = lane();
         lane_rx.gate.open(fast.std());
         let (err_tx, _err_rx) = mpsc::unbounded_channel();
         let w = super::super::socket::SharedWrite(fast);
-        let writer = tokio::spawn(run_writer(Rank(1), Rank(0), w, lane_rx, err_tx));
+        (lane_tx, rx, tokio::spawn(run_writer(Rank(1), Rank(0), w, lane_rx, err_tx)))
+    }
+
+    /// Read `rx` to its end while the (closed) lane's `writer` finishes: exactly `frames`, whole
+    /// and in order, then the goodbye.
+    async fn expect_in_order(
+        rx: std::net::TcpStream,
+        writer: tokio::task::JoinHandle<()>,
+        frames: &[(FrameHeader, Vec<u8>)],
+    ) {
+        let reader = std::thread::spawn(move || {
+            let mut bytes = Vec::new();
+            std::io::Read::read_to_end(&mut &rx, &mut bytes).unwrap();
+            bytes
+        });
+        writer.await.unwrap();
+        let mut want = wire(frames);
+        want.extend_from_slice(&FrameHeader::goodbye(Rank(1)).encode());
+        let got = tokio::task::spawn_blocking(move || reader.join().unwrap()).await.unwrap();
+        let (got_frames, last) = assemble(&got, &[STAGING]);
+        assert_eq!(got_frames.len(), frames.len());
+        assert!(got_frames == frames, "frames arrive whole and in order");
+        assert!(reason(last).1, "and the goodbye last");
+        assert_eq!(got, want);
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn direct_writes_and_queued_frames_keep_their_order_even_against_a_full_socket() {
+        let (lane_tx, rx, writer) = fast_lane().await;
         // Nobody reads yet: small frames are written directly until the socket is full, and the
         // one that meets the full buffer (written in part, or not at all) goes to the writer
         // task; everything after it is queued behind, small or large, and must arrive in order.
@@ -1068,31 +1097,12 @@ mod tests {
             frames.push((h, p));
         }
         drop(lane_tx);
-        let reader = std::thread::spawn(move || {
-            let mut bytes = Vec::new();
-            std::io::Read::read_to_end(&mut &rx, &mut bytes).unwrap();
-            bytes
-        });
-        writer.await.unwrap();
-        let mut want = wire(&frames);
-        want.extend_from_slice(&FrameHeader::goodbye(Rank(1)).encode());
-        let got = tokio::task::spawn_blocking(move || reader.join().unwrap()).await.unwrap();
-        let (got_frames, last) = assemble(&got, &[STAGING]);
-        assert_eq!(got_frames.len(), frames.len());
-        assert!(got_frames == frames, "frames arrive whole and in order");
-        assert!(reason(last).1, "and the goodbye last");
-        assert_eq!(got, want);
+        expect_in_order(rx, writer, &frames).await;
     }
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn held_back_direct_and_queued_frames_keep_their_order_even_against_a_full_socket() {
-        let (tx, rx) = socket_pair().await;
-        let fast = Arc::new(super::super::socket::take(tx).map_err(|(e, _)| e).unwrap());
-        let (lane_tx, lane_rx) = lane();
-        lane_rx.gate.open(fast.std());
-        let (err_tx, _err_rx) = mpsc::unbounded_channel();
-        let w = super::super::socket::SharedWrite(fast);
-        let writer = tokio::spawn(run_writer(Rank(1), Rank(0), w, lane_rx, err_tx));
+        let (lane_tx, rx, writer) = fast_lane().await;
         let corks = Arc::new(Corks::default());
         // Nobody reads until the end: the socket fills up while frames are held back, written
         // directly, queued and flushed in a mix; they must all arrive whole and in order.
@@ -1121,33 +1131,14 @@ mod tests {
             }
         }
         assert!(held > 0, "some frames were held back");
-        drop(lane_tx);
-        let reader = std::thread::spawn(move || {
-            let mut bytes = Vec::new();
-            std::io::Read::read_to_end(&mut &rx, &mut bytes).unwrap();
-            bytes
-        });
         corks.flush();
-        writer.await.unwrap();
-        let mut want = wire(&frames);
-        want.extend_from_slice(&FrameHeader::goodbye(Rank(1)).encode());
-        let got = tokio::task::spawn_blocking(move || reader.join().unwrap()).await.unwrap();
-        let (got_frames, last) = assemble(&got, &[STAGING]);
-        assert_eq!(got_frames.len(), frames.len());
-        assert!(got_frames == frames, "frames arrive whole and in order");
-        assert!(reason(last).1, "and the goodbye last");
-        assert_eq!(got, want);
+        drop(lane_tx);
+        expect_in_order(rx, writer, &frames).await;
     }
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn held_back_frames_go_out_without_a_flush_once_the_watcher_s_time_is_up() {
-        let (tx, rx) = socket_pair().await;
-        let fast = Arc::new(super::super::socket::take(tx).map_err(|(e, _)| e).unwrap());
-        let (lane_tx, lane_rx) = lane();
-        lane_rx.gate.open(fast.std());
-        let (err_tx, _err_rx) = mpsc::unbounded_channel();
-        let writer =
-            tokio::spawn(run_writer(Rank(1), Rank(0), super::super::socket::SharedWrite(fast), lane_rx, err_tx));
+        let (lane_tx, rx, writer) = fast_lane().await;
         let corks = Arc::new(Corks::default());
         let watcher = tokio::spawn(corks.clone().watch());
         let frames: Vec<_> = (0..3u64).map(|i| data(i, 10, i as u8)).collect();
@@ -1175,13 +1166,7 @@ mod tests {
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn a_closing_writer_sends_what_was_held_back_before_its_goodbye() {
-        let (tx, rx) = socket_pair().await;
-        let fast = Arc::new(super::super::socket::take(tx).map_err(|(e, _)| e).unwrap());
-        let (lane_tx, lane_rx) = lane();
-        lane_rx.gate.open(fast.std());
-        let (err_tx, _err_rx) = mpsc::unbounded_channel();
-        let writer =
-            tokio::spawn(run_writer(Rank(1), Rank(0), super::super::socket::SharedWrite(fast), lane_rx, err_tx));
+        let (lane_tx, rx, writer) = fast_lane().await;
         let corks = Arc::new(Corks::default());
         let frames = vec![data(7, 100, 7)];
         let (h, p) = &frames[0];
@@ -1191,17 +1176,7 @@ mod tests {
         );
         assert_eq!(sent, Sent::Written);
         drop(lane_tx);
-        writer.await.unwrap();
-        let got = tokio::task::spawn_blocking(move || {
-            let mut bytes = Vec::new();
-            std::io::Read::read_to_end(&mut &rx, &mut bytes).unwrap();
-            bytes
-        })
-        .await
-        .unwrap();
-        let mut want = wire(&frames);
-        want.extend_from_slice(&FrameHeader::goodbye(Rank(1)).encode());
-        assert_eq!(got, want);
+        expect_in_order(rx, writer, &frames).await;
     }
 
     /// Every call of a hook: (peer, works, ok).
