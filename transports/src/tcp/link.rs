@@ -192,15 +192,13 @@ struct GateState {
     /// The writer task's queue, for what a flush leaves unwritten (weak: the queue closes
     /// when the driver drops its [`LaneTx`]).
     tx: Option<mpsc::WeakUnboundedSender<Outbound>>,
-    /// The writer task took the last held-back bytes on its way out.
-    closed: bool,
 }
 
 impl GateState {
     /// Write the held-back bytes now; what the socket does not take goes to the writer's
     /// queue (ahead of anything queued later). False if that queue is gone (the bytes stay for
     /// the writer's last write, see [`Gate::close`]).
-    fn unload(&mut self, tx: Option<&mpsc::UnboundedSender<Outbound>>) -> bool {
+    fn unload(&mut self) -> bool {
         if self.cork.is_empty() {
             return true;
         }
@@ -209,22 +207,10 @@ impl GateState {
             self.cork.clear();
             return true;
         }
-        let rest = Bytes::copy_from_slice(&self.cork[done..]);
-        let upgraded;
-        let tx = match tx {
-            Some(tx) => tx,
-            None => match self.tx.as_ref().and_then(mpsc::WeakUnboundedSender::upgrade) {
-                Some(t) => {
-                    upgraded = t;
-                    &upgraded
-                }
-                None => {
-                    self.cork.drain(..done);
-                    return false;
-                }
-            },
-        };
-        if tx.send(Outbound::bytes(rest)).is_err() {
+        let rest = Outbound::bytes(Bytes::copy_from_slice(&self.cork[done..]));
+        let queued =
+            self.tx.as_ref().and_then(mpsc::WeakUnboundedSender::upgrade).is_some_and(|tx| tx.send(rest).is_ok());
+        if !queued {
             self.cork.drain(..done);
             return false;
         }
@@ -254,14 +240,13 @@ impl Gate {
     fn flush(&self) {
         let mut g = self.lock();
         g.listed = false;
-        g.unload(None);
+        g.unload();
     }
 
-    /// The writer task is done with its queue: the bytes still held back, for its last write.
+    /// The writer task is done with its queue (every sender is gone, so nothing is held back
+    /// after this): the bytes still held back, for its last write.
     pub(crate) fn close(&self) -> Vec<u8> {
-        let mut g = self.lock();
-        g.closed = true;
-        std::mem::take(&mut g.cork)
+        std::mem::take(&mut self.lock().cork)
     }
 }
 
@@ -374,7 +359,6 @@ impl LaneTx {
         if let Some(corks) = &mode.cork
             && g.queued == 0
             && !self.tx.is_closed()
-            && !g.closed
             && g.socket.is_some()
             && g.cork.len() + HEADER_LEN + payload.len() <= CORK_LIMIT
         {
@@ -386,7 +370,7 @@ impl LaneTx {
             return Sent::Written;
         }
         // What is held back goes first.
-        if !g.unload(Some(&self.tx)) {
+        if !g.unload() {
             return Sent::Gone;
         }
         let mut done = 0;
