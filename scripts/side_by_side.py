@@ -201,8 +201,9 @@ def main():
             cells.append(f"{t:.1f} ({bw:.3f})" if "MiB" in row else f"{t:.1f}")
         cells += [ratio(x, y, row) for x, y in pairs]
         print(f"| {row} | " + " | ".join(cells) + " |")
-    if raw.get("iperf3"):
-        bws = [r["loopback TCP (iperf3, one stream)"][1] for r in raw["iperf3"]]
+    # A failed iperf3 repetition left an empty entry.
+    bws = [r["loopback TCP (iperf3, one stream)"][1] for r in raw.get("iperf3", []) if r]
+    if bws:
         print(f"\nloopback TCP, iperf3 one stream, same run: {statistics.median(bws):.2f} GB/s (median)")
     for s in skipped:
         print(f"skipped: {s}")
