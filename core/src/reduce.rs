@@ -240,10 +240,23 @@ fn with_typed<T: Pod + Default>(acc: &mut [u8], src: &[u8], mut f: impl FnMut(&m
         f(a, s);
         return;
     }
+    // A small message (a latency-bound one) gets small staging buffers: filling two of
+    // `STAGE` elements first would cost more than its reduction.
+    if acc.len() <= SMALL_STAGE * std::mem::size_of::<T>() {
+        staged::<T, SMALL_STAGE>(acc, src, f);
+    } else {
+        staged::<T, STAGE>(acc, src, f);
+    }
+}
+
+/// Elements staged per round for messages of at most this many elements.
+const SMALL_STAGE: usize = 64;
+
+fn staged<T: Pod + Default, const N: usize>(acc: &mut [u8], src: &[u8], mut f: impl FnMut(&mut [T], &[T])) {
     let es = std::mem::size_of::<T>();
-    let mut abuf = [T::default(); STAGE];
-    let mut sbuf = [T::default(); STAGE];
-    for (ac, sc) in acc.chunks_mut(STAGE * es).zip(src.chunks(STAGE * es)) {
+    let mut abuf = [T::default(); N];
+    let mut sbuf = [T::default(); N];
+    for (ac, sc) in acc.chunks_mut(N * es).zip(src.chunks(N * es)) {
         let n = ac.len() / es;
         bytemuck::cast_slice_mut::<T, u8>(&mut abuf[..n]).copy_from_slice(ac);
         bytemuck::cast_slice_mut::<T, u8>(&mut sbuf[..n]).copy_from_slice(sc);
@@ -258,9 +271,17 @@ fn with_typed_mut<T: Pod + Default>(buf: &mut [u8], mut f: impl FnMut(&mut [T]))
         f(b);
         return;
     }
+    if buf.len() <= SMALL_STAGE * std::mem::size_of::<T>() {
+        staged_mut::<T, SMALL_STAGE>(buf, f);
+    } else {
+        staged_mut::<T, STAGE>(buf, f);
+    }
+}
+
+fn staged_mut<T: Pod + Default, const N: usize>(buf: &mut [u8], mut f: impl FnMut(&mut [T])) {
     let es = std::mem::size_of::<T>();
-    let mut stage = [T::default(); STAGE];
-    for c in buf.chunks_mut(STAGE * es) {
+    let mut stage = [T::default(); N];
+    for c in buf.chunks_mut(N * es) {
         let n = c.len() / es;
         bytemuck::cast_slice_mut::<T, u8>(&mut stage[..n]).copy_from_slice(c);
         f(&mut stage[..n]);
@@ -483,18 +504,21 @@ mod tests {
 
     #[test]
     fn unaligned_operands_give_the_same_answer() {
-        let n = 3000usize;
-        let a: Vec<f64> = (0..n).map(|i| i as f64 * 0.25).collect();
-        let b: Vec<f64> = (0..n).map(|i| 1.0 - i as f64).collect();
-        let expect: Vec<f64> = a.iter().zip(&b).map(|(x, y)| x + y).collect();
-        let mut abuf = vec![0u8; n * 8 + 1];
-        let mut bbuf = vec![0u8; n * 8 + 3];
-        abuf[1..].copy_from_slice(bytemuck::cast_slice(&a));
-        bbuf[3..].copy_from_slice(bytemuck::cast_slice(&b));
-        let r = Reduction::new(ReduceOp::Sum, DType::F64).unwrap();
-        r.combine(&mut abuf[1..], &bbuf[3..]).unwrap();
-        let got: Vec<f64> = abuf[1..].chunks(8).map(|c| f64::from_ne_bytes(c.try_into().unwrap())).collect();
-        assert_eq!(got, expect);
+        // Small messages stage through small buffers, larger ones through several rounds.
+        for n in [0usize, 1, 63, 64, 65, 1500, 3000] {
+            let a: Vec<f64> = (0..n).map(|i| i as f64 * 0.25).collect();
+            let b: Vec<f64> = (0..n).map(|i| 1.0 - i as f64).collect();
+            let expect: Vec<f64> = a.iter().zip(&b).map(|(x, y)| 2.0 * (x + y)).collect();
+            let mut abuf = vec![0u8; n * 8 + 1];
+            let mut bbuf = vec![0u8; n * 8 + 3];
+            abuf[1..].copy_from_slice(bytemuck::cast_slice(&a));
+            bbuf[3..].copy_from_slice(bytemuck::cast_slice(&b));
+            let r = Reduction::new(ReduceOp::Sum, DType::F64).unwrap();
+            r.combine(&mut abuf[1..], &bbuf[3..]).unwrap();
+            Reduction::new(ReduceOp::PremulSum(2.0), DType::F64).unwrap().premultiply(&mut abuf[1..]).unwrap();
+            let got: Vec<f64> = abuf[1..].chunks(8).map(|c| f64::from_ne_bytes(c.try_into().unwrap())).collect();
+            assert_eq!(got, expect, "{n} elements");
+        }
     }
 
     #[test]
