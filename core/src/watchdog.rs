@@ -6,7 +6,8 @@
 //! Deadlines are exact, so a hung collective is reported at its timeout, not at the next
 //! multiple of a polling interval.
 
-use std::collections::{BTreeMap, BTreeSet};
+use std::cmp::Reverse;
+use std::collections::{BinaryHeap, HashMap};
 use std::time::Duration;
 
 use serde::{Deserialize, Serialize};
@@ -29,10 +30,17 @@ pub enum TimerKind {
 }
 
 /// Deadlines keyed by kind; at most one deadline per kind.
+///
+/// A map from kind to deadline, plus a min-heap of `(deadline, kind)` from which moved and
+/// cancelled timers leave lazily: a heap entry that no longer matches the map is stale and is
+/// dropped when it reaches the top (the top is never stale between calls). Setting and
+/// cancelling a work's deadline, once per work, are then a hash-map insert and removal and a
+/// heap push that usually moves nothing (deadlines mostly grow); B-trees cost several times
+/// that. Ties between equal deadlines pop in [`TimerKind`] order, so runs replay.
 #[derive(Debug, Clone, Default)]
 pub struct TimerTable {
-    by_kind: BTreeMap<TimerKind, Duration>,
-    by_time: BTreeSet<(Duration, TimerKind)>,
+    by_kind: HashMap<TimerKind, Duration>,
+    by_time: BinaryHeap<Reverse<(Duration, TimerKind)>>,
 }
 
 impl TimerTable {
@@ -43,16 +51,15 @@ impl TimerTable {
 
     /// Set (or move) the deadline of `kind`.
     pub fn set(&mut self, kind: TimerKind, at: Duration) {
-        if let Some(old) = self.by_kind.insert(kind, at) {
-            self.by_time.remove(&(old, kind));
-        }
-        self.by_time.insert((at, kind));
+        self.by_kind.insert(kind, at);
+        self.by_time.push(Reverse((at, kind)));
+        self.settle();
     }
 
     /// Remove the deadline of `kind`, if any.
     pub fn cancel(&mut self, kind: TimerKind) {
-        if let Some(old) = self.by_kind.remove(&kind) {
-            self.by_time.remove(&(old, kind));
+        if self.by_kind.remove(&kind).is_some() {
+            self.settle();
         }
     }
 
@@ -63,17 +70,18 @@ impl TimerTable {
 
     /// The earliest deadline and its kind.
     pub fn earliest(&self) -> Option<(Duration, TimerKind)> {
-        self.by_time.first().copied()
+        self.by_time.peek().map(|r| r.0)
     }
 
     /// Remove and return the earliest timer if it is due at `now`. Call until `None`.
     pub fn pop_expired(&mut self, now: Duration) -> Option<(Duration, TimerKind)> {
-        let &(at, kind) = self.by_time.first()?;
+        let (at, kind) = self.earliest()?;
         if at > now {
             return None;
         }
-        self.by_time.pop_first();
+        self.by_time.pop();
         self.by_kind.remove(&kind);
+        self.settle();
         Some((at, kind))
     }
 
@@ -85,6 +93,21 @@ impl TimerTable {
     /// Whether no timer is set.
     pub fn is_empty(&self) -> bool {
         self.by_kind.is_empty()
+    }
+
+    /// Drop stale entries from the top of the heap, and rebuild it when stale entries behind
+    /// the top outnumber the live ones (a timer moved again and again, or many cancelled
+    /// behind a long one).
+    fn settle(&mut self) {
+        while let Some(&Reverse((at, kind))) = self.by_time.peek() {
+            if self.by_kind.get(&kind) == Some(&at) {
+                break;
+            }
+            self.by_time.pop();
+        }
+        if self.by_time.len() > 2 * self.by_kind.len() + 64 {
+            self.by_time = self.by_kind.iter().map(|(&kind, &at)| Reverse((at, kind))).collect();
+        }
     }
 }
 
@@ -206,6 +229,48 @@ mod tests {
         assert_eq!(t.pop_expired(MS(35)), None);
         t.cancel(TimerKind::Heartbeat);
         assert!(t.is_empty());
+    }
+
+    proptest::proptest! {
+        /// Any sequence of sets, moves, cancels and pops behaves as a table that keeps every
+        /// timer in one ordered set, ties popping in kind order.
+        #[test]
+        fn timer_table_matches_an_ordered_model(
+            ops in proptest::collection::vec((0u8..4, 0u64..6, 0u64..50), 0..300),
+        ) {
+            let mut t = TimerTable::new();
+            let mut model: std::collections::BTreeMap<TimerKind, Duration> = Default::default();
+            let kinds = |k: u64| match k {
+                0 => TimerKind::Heartbeat,
+                1 | 2 => TimerKind::PeerSilence(Rank(k as u32)),
+                3 | 4 => TimerKind::WorkDeadline(WorkId(k)),
+                _ => TimerKind::WorkStuck(WorkId(k)),
+            };
+            for (op, k, at) in ops {
+                let kind = kinds(k);
+                match op {
+                    0 | 1 => {
+                        t.set(kind, MS(at));
+                        model.insert(kind, MS(at));
+                    }
+                    2 => {
+                        t.cancel(kind);
+                        model.remove(&kind);
+                    }
+                    _ => {
+                        let want = model.iter().map(|(&k, &a)| (a, k)).min().filter(|&(a, _)| a <= MS(at));
+                        if let Some((_, k)) = want {
+                            model.remove(&k);
+                        }
+                        proptest::prop_assert_eq!(t.pop_expired(MS(at)), want);
+                    }
+                }
+                proptest::prop_assert_eq!(t.earliest(), model.iter().map(|(&k, &a)| (a, k)).min());
+                proptest::prop_assert_eq!(t.len(), model.len());
+                proptest::prop_assert_eq!(t.get(kind), model.get(&kind).copied());
+                proptest::prop_assert!(t.by_time.len() <= 2 * t.by_kind.len() + 65);
+            }
+        }
     }
 
     #[test]
