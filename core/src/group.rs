@@ -24,11 +24,13 @@
 //! which mirrors `TORCH_NCCL_ASYNC_ERROR_HANDLING`.
 
 use std::collections::{BTreeMap, VecDeque};
+use std::fmt::Write as _;
 use std::time::{Duration, Instant};
 
 use serde::{Deserialize, Serialize};
 
 use crate::recorder::{Dump, DumpMeta, FlightRecorder, RecordId, RecordRequest, RecorderConfig};
+use crate::seqmap::SeqMap;
 use crate::tensor::{DType, numel_of};
 use crate::watchdog::{TimeoutContext, TimerKind, TimerTable, timeout_message};
 use crate::work::{GroupId, IllegalTransition, Lifecycle, OpType, Rank, SeqNo, WorkId, WorkResult, WorkState};
@@ -258,6 +260,16 @@ impl Collective {
             OpType::Send | OpType::Recv => self.peer.into_iter().collect(),
             OpType::RecvAnySource => Vec::new(),
             _ => (0..world_size).map(Rank).filter(|&r| r != me).collect(),
+        }
+    }
+
+    /// Whether this work cannot complete without `rank` (as [`Collective::peers_needed`], with
+    /// no list built).
+    pub fn needs_peer(&self, me: Rank, rank: Rank) -> bool {
+        match self.op {
+            OpType::Send | OpType::Recv => self.peer == Some(rank),
+            OpType::RecvAnySource => false,
+            _ => rank != me,
         }
     }
 
@@ -560,8 +572,9 @@ pub struct Launch {
     pub seq: SeqNo,
     /// Whether `seq` counts point-to-point ops.
     pub is_p2p: bool,
-    /// What to run.
-    pub collective: Collective,
+    /// The op. What to run is what the driver submitted under this id: the core does not copy
+    /// the arguments back out.
+    pub op: OpType,
 }
 
 /// Control messages a rank sends to peers (the TCP backend frames them; see `protocol`).
@@ -696,7 +709,7 @@ pub struct GroupState {
     next_work: u64,
     seq: SeqNo,
     p2p_seq: SeqNo,
-    works: BTreeMap<WorkId, WorkEntry>,
+    works: SeqMap<WorkId, WorkEntry>,
     to_launch: VecDeque<WorkId>,
     running: usize,
     timers: TimerTable,
@@ -713,6 +726,11 @@ pub struct GroupState {
     transmits: VecDeque<Transmit>,
     launches: VecDeque<Launch>,
     events: VecDeque<Event>,
+    /// When each rank was last heard from (frames or heartbeats), since the epoch; read when
+    /// its silence timer fires.
+    heard: Vec<Duration>,
+    /// The last profiling name formatted for the recorder (its allocation is reused).
+    name_buf: String,
 }
 
 impl GroupState {
@@ -731,7 +749,7 @@ impl GroupState {
             next_work: 1,
             seq: SeqNo(0),
             p2p_seq: SeqNo(0),
-            works: BTreeMap::new(),
+            works: SeqMap::new(),
             to_launch: VecDeque::new(),
             running: 0,
             timers: TimerTable::new(),
@@ -744,6 +762,8 @@ impl GroupState {
             transmits: VecDeque::new(),
             launches: VecDeque::new(),
             events: VecDeque::new(),
+            name_buf: String::new(),
+            heard: vec![Duration::ZERO; cfg.world_size as usize],
             cfg,
         };
         if !g.cfg.lazy_peers {
@@ -824,9 +844,7 @@ impl GroupState {
             Health::Aborted(cause) => return Err(SubmitError::Aborted { cause: cause.clone() }),
         }
         collective.validate(self.rank, self.cfg.world_size)?;
-        if let Some(rank) =
-            collective.peers_needed(self.rank, self.cfg.world_size).into_iter().find(|r| self.lost.contains_key(r))
-        {
+        if let Some((&rank, _)) = self.lost.iter().find(|(r, _)| collective.needs_peer(self.rank, **r)) {
             return Err(SubmitError::PeerLost { op: collective.op, rank, reason: self.lost[&rank].clone() });
         }
         let is_p2p = collective.op.is_p2p();
@@ -955,13 +973,17 @@ impl GroupState {
     /// Any bytes from `from` prove it alive. Queues nothing.
     pub fn handle_peer_activity(&mut self, now: Instant, from: Rank) {
         let now = self.since_epoch(now);
-        if let Some(hb) = self.cfg.heartbeat
+        if self.cfg.heartbeat.is_some()
             && from != self.rank
             && from.0 < self.cfg.world_size
             && !self.lost.contains_key(&from)
             && self.connected.contains(&from)
         {
-            self.timers.set(TimerKind::PeerSilence(from), now.saturating_add(hb.dead_after));
+            // The silence timer is not moved on every frame: it fires at its old deadline and
+            // is set again from here (see `handle_timeout`).
+            if let Some(t) = self.heard.get_mut(from.index()) {
+                *t = now;
+            }
         }
     }
 
@@ -978,6 +1000,7 @@ impl GroupState {
             return;
         }
         if let Some(hb) = self.cfg.heartbeat {
+            self.heard[peer.index()] = now;
             self.timers.set(TimerKind::PeerSilence(peer), now.saturating_add(hb.dead_after));
         }
     }
@@ -1022,6 +1045,15 @@ impl GroupState {
     pub fn handle_timeout(&mut self, now: Instant) {
         let now = self.since_epoch(now);
         while let Some((_, kind)) = self.timers.pop_expired(now) {
+            if let TimerKind::PeerSilence(rank) = kind {
+                // The peer was heard from since the timer was set: watch again from then.
+                let dead_after = self.cfg.heartbeat.map(|h| h.dead_after).unwrap_or_default();
+                let due = self.heard.get(rank.index()).map_or(Duration::ZERO, |t| t.saturating_add(dead_after));
+                if due > now {
+                    self.timers.set(kind, due);
+                    continue;
+                }
+            }
             self.last_timeout_reason = Some(kind);
             match kind {
                 TimerKind::Heartbeat => {
@@ -1099,14 +1131,18 @@ impl GroupState {
         if !self.recorder.is_enabled() {
             return None;
         }
-        let profiling_name = match (c.op, c.peer) {
-            (OpType::Send, Some(p)) => format!("{}:send {}->{p}", self.cfg.backend, self.rank),
-            (OpType::Recv, Some(p)) => format!("{}:recv {}<-{p}", self.cfg.backend, self.rank),
-            (op, _) => format!("{}:{}", self.cfg.backend, op.name()),
+        // Formatted into a buffer kept for the next submit: the recorder interns the name.
+        let mut profiling_name = std::mem::take(&mut self.name_buf);
+        profiling_name.clear();
+        let written = match (c.op, c.peer) {
+            (OpType::Send, Some(p)) => write!(profiling_name, "{}:send {}->{p}", self.cfg.backend, self.rank),
+            (OpType::Recv, Some(p)) => write!(profiling_name, "{}:recv {}<-{p}", self.cfg.backend, self.rank),
+            (op, _) => write!(profiling_name, "{}:{}", self.cfg.backend, op.name()),
         };
+        written.expect("formatting into a String cannot fail");
         let is_p2p = c.op.is_p2p();
         let outputs = if c.outputs.is_empty() { &c.inputs } else { &c.outputs };
-        self.recorder.record(
+        let record = self.recorder.record(
             now,
             &RecordRequest {
                 pg_id: u64::from(self.cfg.group_id.0),
@@ -1121,7 +1157,9 @@ impl GroupState {
                 timeout,
                 is_p2p,
             },
-        )
+        );
+        self.name_buf = profiling_name;
+        record
     }
 
     fn launch_ready(&mut self) {
@@ -1133,7 +1171,7 @@ impl GroupState {
             }
             w.launched = true;
             self.running += 1;
-            self.launches.push_back(Launch { id, seq: w.seq, is_p2p: w.is_p2p, collective: w.collective.clone() });
+            self.launches.push_back(Launch { id, seq: w.seq, is_p2p: w.is_p2p, op: w.collective.op });
         }
     }
 
@@ -1153,10 +1191,9 @@ impl GroupState {
 
     /// Finish works in issue order: the oldest unfinished work with a result, repeatedly.
     fn release(&mut self, now: Duration) {
-        while let Some(mut entry) = self.works.first_entry() {
-            let Some(result) = entry.get_mut().result.take() else { break };
-            let id = *entry.key();
-            let w = entry.remove();
+        while let Some((_, first)) = self.works.first_mut() {
+            let Some(result) = first.result.take() else { break };
+            let Some((id, w)) = self.works.pop_first() else { break };
             let mut lifecycle = w.lifecycle;
             let state = result.terminal_state();
             let finished: Result<(), IllegalTransition> = lifecycle.finish(now, state);
@@ -1247,12 +1284,11 @@ impl GroupState {
         self.timers.cancel(TimerKind::PeerSilence(rank));
         self.events.push_back(Event::PeerLost { rank, reason: reason.clone() });
         let me = self.rank;
-        let world = self.cfg.world_size;
         let dependent: Vec<(WorkId, SeqNo, OpType)> = self
             .works
             .iter()
-            .filter(|(_, w)| w.result.is_none() && w.collective.peers_needed(me, world).contains(&rank))
-            .map(|(&id, w)| (id, w.seq, w.collective.op))
+            .filter(|(_, w)| w.result.is_none() && w.collective.needs_peer(me, rank))
+            .map(|(id, w)| (id, w.seq, w.collective.op))
             .collect();
         let first = dependent.first().map(|&(_, seq, op)| (seq, op));
         for (id, seq, op) in dependent {
@@ -1281,16 +1317,14 @@ impl GroupState {
             return;
         }
         let me = self.rank;
-        let world = self.cfg.world_size;
         let origin = failure.origin;
         let dependent: Vec<WorkId> = self
             .works
             .iter()
             .filter(|(_, w)| {
-                w.result.is_none()
-                    && (self.cfg.error_handling.fails_group() || w.collective.peers_needed(me, world).contains(&origin))
+                w.result.is_none() && (self.cfg.error_handling.fails_group() || w.collective.needs_peer(me, origin))
             })
-            .map(|(&id, _)| id)
+            .map(|(id, _)| id)
             .collect();
         for id in dependent {
             self.set_result(
@@ -1308,12 +1342,8 @@ impl GroupState {
         if !self.cfg.error_handling.fails_group() || self.health != Health::Healthy {
             return;
         }
-        let remaining: Vec<(WorkId, SeqNo, OpType)> = self
-            .works
-            .iter()
-            .filter(|(_, w)| w.result.is_none())
-            .map(|(&id, w)| (id, w.seq, w.collective.op))
-            .collect();
+        let remaining: Vec<(WorkId, SeqNo, OpType)> =
+            self.works.iter().filter(|(_, w)| w.result.is_none()).map(|(id, w)| (id, w.seq, w.collective.op)).collect();
         for (id, seq, op) in remaining {
             let message = format!("{op} (seq {seq}) cannot complete: {}", failure.message);
             let result = if local {
@@ -1351,7 +1381,7 @@ impl GroupState {
         if matches!(self.health, Health::Aborted(_)) {
             return;
         }
-        let open: Vec<WorkId> = self.works.iter().filter(|(_, w)| w.result.is_none()).map(|(&id, _)| id).collect();
+        let open: Vec<WorkId> = self.works.iter().filter(|(_, w)| w.result.is_none()).map(|(id, _)| id).collect();
         for id in open {
             self.set_result(id, WorkResult::Aborted { reason: reason.clone() });
         }

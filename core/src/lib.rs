@@ -76,6 +76,7 @@ pub mod protocol;
 pub mod recorder;
 pub mod reduce;
 pub mod schedule;
+pub mod seqmap;
 pub mod store;
 pub mod tensor;
 pub mod watchdog;
