@@ -2,6 +2,7 @@
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::ops::Range;
+use std::sync::Arc;
 
 use super::plan::{Action, Plan, RecvMode};
 use super::{BufId, ScheduleError, check_reduction};
@@ -76,14 +77,12 @@ pub enum RecvTarget {
 /// the result does not depend on the arrival order.
 #[derive(Debug)]
 pub struct Executor {
-    plan: Plan,
+    plan: Arc<Plan>,
     reduction: Option<Reduction>,
     data: HostBuffer,
     output: HostBuffer,
     /// Per action: dependencies not yet done.
     unmet: Vec<u32>,
-    /// Per action: the later actions that depend on it.
-    successors: Vec<Vec<u32>>,
     done: Vec<bool>,
     /// Per action: a receive whose chunk has arrived (applied or kept).
     arrived: Vec<bool>,
@@ -101,7 +100,15 @@ impl Executor {
     /// output buffer is allocated here. Refuses a missing or unneeded reduction, a reduction
     /// whose dtype does not have the plan's element size, and a data buffer of the wrong
     /// length. Runs what needs no peer (premultiply, local copies).
-    pub fn new(plan: Plan, reduction: Option<Reduction>, data: HostBuffer) -> Result<Executor, ScheduleError> {
+    ///
+    /// The plan may be shared (an `Arc<Plan>`): a plan is read-only, so runs of the same
+    /// collective can reuse one (see [`PlanCache`](super::PlanCache)).
+    pub fn new(
+        plan: impl Into<Arc<Plan>>,
+        reduction: Option<Reduction>,
+        data: HostBuffer,
+    ) -> Result<Executor, ScheduleError> {
+        let plan = plan.into();
         check_reduction(&plan, reduction.as_ref())?;
         if data.len() != plan.data_len() {
             return Err(ScheduleError::BufferLength {
@@ -112,15 +119,7 @@ impl Executor {
             });
         }
         let n = plan.actions().len();
-        let mut successors = vec![Vec::new(); n];
-        let mut unmet = vec![0u32; n];
-        for (i, slot) in unmet.iter_mut().enumerate() {
-            let deps = plan.deps(i);
-            *slot = deps.len() as u32;
-            for &d in deps {
-                successors[d as usize].push(i as u32);
-            }
-        }
+        let unmet = (0..n).map(|i| plan.deps(i).len() as u32).collect();
         let output = HostBuffer::zeroed(plan.output_len());
         let mut exec = Executor {
             plan,
@@ -128,7 +127,6 @@ impl Executor {
             data,
             output,
             unmet,
-            successors,
             done: vec![false; n],
             arrived: vec![false; n],
             kept: BTreeMap::new(),
@@ -310,8 +308,8 @@ impl Executor {
         debug_assert!(!self.done[i as usize], "action {i} completed twice");
         self.done[i as usize] = true;
         self.remaining -= 1;
-        for k in 0..self.successors[i as usize].len() {
-            let s = self.successors[i as usize][k];
+        for k in 0..self.plan.successors(i as usize).len() {
+            let s = self.plan.successors(i as usize)[k];
             self.unmet[s as usize] -= 1;
             if self.unmet[s as usize] == 0 {
                 self.became_ready(s);

@@ -46,6 +46,7 @@
 //! tests in `core/tests/prop_schedule.rs` check every algorithm against a naive reference with it.
 
 mod algorithms;
+mod cache;
 mod executor;
 pub mod harness;
 mod plan;
@@ -57,6 +58,7 @@ use crate::reduce::Reduction;
 use crate::tensor::DType;
 use crate::work::Rank;
 
+pub use cache::PlanCache;
 pub use executor::{Executor, Outgoing, RecvTarget};
 pub use plan::{Action, Plan, RecvMode};
 

@@ -85,6 +85,8 @@ pub struct Plan {
     output_len: usize,
     actions: Vec<Action>,
     deps: Vec<Vec<u32>>,
+    /// Per action: the later actions that depend on it (the inverse of `deps`).
+    successors: Vec<Vec<u32>>,
     /// `(step, from)` → index of the receive action.
     recvs: BTreeMap<(u32, Rank), u32>,
 }
@@ -253,6 +255,12 @@ impl Plan {
         self.deps.get(index).map_or(&[], Vec::as_slice)
     }
 
+    /// The later actions that depend on action `index` (those whose [`Plan::deps`] name it),
+    /// ascending.
+    pub fn successors(&self, index: usize) -> &[u32] {
+        self.successors.get(index).map_or(&[], Vec::as_slice)
+    }
+
     /// Index of the receive action for chunk `(step, from)`, if the plan expects one.
     pub fn recv_index(&self, step: u32, from: Rank) -> Option<usize> {
         self.recvs.get(&(step, from)).map(|&i| i as usize)
@@ -410,6 +418,12 @@ impl Builder {
                 debug_assert!(fresh, "plan receives ({step}, {from}) twice");
             }
         }
+        let mut successors = vec![Vec::new(); self.actions.len()];
+        for (i, deps) in self.deps.iter().enumerate() {
+            for &d in deps {
+                successors[d as usize].push(i as u32);
+            }
+        }
         Plan {
             op,
             rank,
@@ -420,6 +434,7 @@ impl Builder {
             output_len: self.output_len,
             actions: self.actions,
             deps: self.deps,
+            successors,
             recvs,
         }
     }

@@ -3,7 +3,7 @@
 //! output tensors.
 
 use cohort_core::reduce::{ReduceOp, Reduction};
-use cohort_core::schedule::{Executor, Plan, PlanOptions, ScheduleOp};
+use cohort_core::schedule::{Executor, PlanCache, PlanOptions, ScheduleOp};
 use cohort_core::tensor::{DType, FlatSlot, HostBuffer, Tensor};
 use cohort_core::work::{Rank, SeqNo};
 
@@ -167,8 +167,14 @@ fn numels(tensors: &[Tensor]) -> Vec<usize> {
 }
 
 impl CollectiveRun {
-    /// Build the plan and the executor for this rank's part.
-    pub(crate) fn start(request: &mut Request, me: Rank, world: u32, seq: SeqNo) -> Result<Self, String> {
+    /// Build the executor for this rank's part, on the plan `plans` holds for it (built once).
+    pub(crate) fn start(
+        request: &mut Request,
+        me: Rank,
+        world: u32,
+        seq: SeqNo,
+        plans: &mut PlanCache,
+    ) -> Result<Self, String> {
         let n = world as usize;
         let request = std::mem::replace(request, Request::Taken);
         let err = |e: &dyn std::fmt::Display| e.to_string();
@@ -291,7 +297,7 @@ impl CollectiveRun {
             Request::Barrier => (ScheduleOp::Barrier, None, HostBuffer::default(), 0, 1, Finish::Nothing),
             Request::Taken => return Err("collective started twice".into()),
         };
-        let plan = Plan::new(&op, me, world, elem, PlanOptions::default()).map_err(|e| err(&e))?;
+        let plan = plans.plan(&op, me, world, elem, PlanOptions::default()).map_err(|e| err(&e))?;
         if plan.output_len() != out_len {
             return Err(format!(
                 "{}: the outputs hold {out_len} bytes, the plan needs {}",

@@ -12,6 +12,8 @@ use std::time::Instant;
 use bytes::Bytes;
 use cohort_core::group::{Collective, Completion, ControlMsg, Event, GroupState, Launch, SubmitError, WorkSummary};
 use cohort_core::protocol::{Fingerprint, FrameHeader, FrameKind, decode_message, truncate_message};
+use cohort_core::schedule::PlanCache;
+use cohort_core::seqmap::SeqMap;
 use cohort_core::tensor::Tensor;
 use cohort_core::work::{GroupId, Rank, SeqNo, WorkId};
 
@@ -93,9 +95,11 @@ pub(crate) struct DriverState {
     me: Rank,
     gid: GroupId,
     writers: Vec<Option<Lanes>>,
-    pending: BTreeMap<WorkId, Pending>,
+    pending: SeqMap<WorkId, Pending>,
     /// Running collectives by sequence number.
-    running: BTreeMap<SeqNo, WorkId>,
+    running: SeqMap<SeqNo, WorkId>,
+    /// Plans of the collectives run so far, reused by later runs of the same ones.
+    plans: PlanCache,
     /// Data frames for collectives this rank has not launched yet.
     early: BTreeMap<SeqNo, Vec<EarlyFrame>>,
     /// A collective is being started and fed its early frames (see `launch`).
@@ -156,8 +160,9 @@ impl DriverState {
             gid: group.config().group_id,
             group,
             writers,
-            pending: BTreeMap::new(),
-            running: BTreeMap::new(),
+            pending: SeqMap::new(),
+            running: SeqMap::new(),
+            plans: PlanCache::default(),
             early: BTreeMap::new(),
             starting: false,
             inbox: BTreeMap::new(),
@@ -423,7 +428,7 @@ impl DriverState {
             let message = format!("rank {peer} shut its process group down without sending what this recv waits for");
             self.group.handle_completion(now, id, Completion::Failed { rank: Some(peer), message });
         }
-        let running: Vec<WorkId> = self.running.values().copied().collect();
+        let running: Vec<WorkId> = self.running.iter().map(|(_, &id)| id).collect();
         for id in running {
             self.fail_if_stranded(now, id);
         }
@@ -761,7 +766,13 @@ impl DriverState {
                 }
             }
             Payload::Collective { request, run } => {
-                match CollectiveRun::start(request, self.me, self.group.config().world_size, launch.seq) {
+                match CollectiveRun::start(
+                    request,
+                    self.me,
+                    self.group.config().world_size,
+                    launch.seq,
+                    &mut self.plans,
+                ) {
                     Ok(r) => *run = Some(Box::new(r)),
                     Err(message) => {
                         self.group.handle_completion(now, id, Completion::Failed { rank: None, message });
