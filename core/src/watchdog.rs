@@ -7,9 +7,10 @@
 //! multiple of a polling interval.
 
 use std::cmp::Reverse;
-use std::collections::{BinaryHeap, HashMap};
+use std::collections::BinaryHeap;
 use std::time::Duration;
 
+use rustc_hash::FxHashMap;
 use serde::{Deserialize, Serialize};
 
 use crate::work::{OpType, Rank, SeqNo, WorkId};
@@ -36,10 +37,10 @@ pub enum TimerKind {
 /// dropped when it reaches the top (the top is never stale between calls). Setting and
 /// cancelling a work's deadline, once per work, are then a hash-map insert and removal and a
 /// heap push that usually moves nothing (deadlines mostly grow); B-trees cost several times
-/// that. Ties between equal deadlines pop in [`TimerKind`] order, so runs replay.
+/// that (the keys are this process's own, so the map uses a fast, non-keyed hash). Ties between equal deadlines pop in [`TimerKind`] order, so runs replay.
 #[derive(Debug, Clone, Default)]
 pub struct TimerTable {
-    by_kind: HashMap<TimerKind, Duration>,
+    by_kind: FxHashMap<TimerKind, Duration>,
     by_time: BinaryHeap<Reverse<(Duration, TimerKind)>>,
 }
 

@@ -1,7 +1,8 @@
 //! [`PlanCache`]: plans built once and shared by later runs of the same collective.
 
-use std::collections::HashMap;
 use std::sync::Arc;
+
+use rustc_hash::FxHashMap;
 
 use super::{Plan, PlanOptions, ScheduleError, ScheduleOp};
 use crate::work::Rank;
@@ -15,7 +16,7 @@ type Key = (ScheduleOp, Rank, u32, usize, PlanOptions);
 /// iteration).
 #[derive(Debug)]
 pub struct PlanCache {
-    plans: HashMap<Key, Arc<Plan>>,
+    plans: FxHashMap<Key, Arc<Plan>>,
     capacity: usize,
 }
 
@@ -31,7 +32,7 @@ impl PlanCache {
 
     /// A cache of at most `capacity` plans (0 caches nothing).
     pub fn new(capacity: usize) -> Self {
-        PlanCache { plans: HashMap::new(), capacity }
+        PlanCache { plans: FxHashMap::default(), capacity }
     }
 
     /// The plan [`Plan::new`] would build for these arguments, built at most once while it
