@@ -199,20 +199,21 @@ pub(crate) fn run(args: BenchArgs) -> Result<i32, String> {
     }
 }
 
-/// Start `--ranks` copies of this executable as local ranks and relay rank 0's output.
+/// Start `--ranks` copies of this executable as local ranks and relay rank 0's output. This
+/// process hosts the store on a port the OS picks (a port picked here and bound by rank 0
+/// later could be taken in between), and the first rank to fail stops the others: they would
+/// otherwise wait out the rendezvous or collective timeout for a rank that is gone.
 fn spawn_ranks(args: &BenchArgs) -> Result<i32, String> {
     let exe = std::env::current_exe().map_err(|e| format!("cannot find the cohort executable: {e}"))?;
-    let port = std::net::TcpListener::bind("127.0.0.1:0")
-        .and_then(|l| l.local_addr())
-        .map_err(|e| format!("cannot find a free port for the store: {e}"))?
-        .port();
+    let store = crate::launch::HostedStore::start(0).map_err(|e| format!("cannot host the store: {e}"))?;
     let argv: Vec<String> = std::env::args().skip(1).collect();
     let mut children = Vec::new();
     for rank in 0..args.ranks {
-        let child = Command::new(&exe)
+        let spawned = Command::new(&exe)
             .args(&argv)
             .env("MASTER_ADDR", "127.0.0.1")
-            .env("MASTER_PORT", port.to_string())
+            .env("MASTER_PORT", store.port.to_string())
+            .env("COHORT_STORE_HOSTED", "1")
             .env("RANK", rank.to_string())
             .env("WORLD_SIZE", args.ranks.to_string())
             .env("LOCAL_RANK", rank.to_string())
@@ -220,31 +221,66 @@ fn spawn_ranks(args: &BenchArgs) -> Result<i32, String> {
             .stdin(Stdio::null())
             .stdout(if rank == 0 { Stdio::piped() } else { Stdio::null() })
             .stderr(Stdio::inherit())
-            .spawn()
-            .map_err(|e| format!("cannot start rank {rank}: {e}"))?;
-        children.push(child);
-    }
-    if let Some(out) = children[0].stdout.take() {
-        let mut stdout = std::io::stdout();
-        for line in BufReader::new(out).lines().map_while(Result::ok) {
-            let _ = writeln!(stdout, "{line}");
-            let _ = stdout.flush();
-        }
-    }
-    let mut code = 0;
-    for (rank, mut child) in children.into_iter().enumerate() {
-        match child.wait() {
-            Ok(s) if s.success() => {}
-            Ok(s) => {
-                eprintln!("cohort bench: rank {rank} ended with {s}");
-                code = s.code().unwrap_or(1).max(1);
-            }
+            .spawn();
+        match spawned {
+            Ok(child) => children.push(child),
             Err(e) => {
-                eprintln!("cohort bench: cannot wait for rank {rank}: {e}");
-                code = 1;
+                for mut c in children {
+                    let _ = c.kill();
+                    let _ = c.wait();
+                }
+                return Err(format!("cannot start rank {rank}: {e}"));
             }
         }
     }
+    let relay = children[0].stdout.take().map(|out| {
+        std::thread::spawn(move || {
+            let mut stdout = std::io::stdout();
+            for line in BufReader::new(out).lines().map_while(Result::ok) {
+                let _ = writeln!(stdout, "{line}");
+                let _ = stdout.flush();
+            }
+        })
+    });
+    let mut done = vec![false; children.len()];
+    let mut code = 0;
+    while done.contains(&false) {
+        let mut failed = false;
+        for (rank, (child, done)) in children.iter_mut().zip(done.iter_mut()).enumerate().filter(|(_, (_, d))| !**d) {
+            match child.try_wait() {
+                Ok(None) => continue,
+                Ok(Some(s)) if s.success() => {}
+                Ok(Some(s)) => {
+                    eprintln!("cohort bench: rank {rank} ended with {s}");
+                    failed = true;
+                    if code == 0 {
+                        code = s.code().unwrap_or(1).max(1);
+                    }
+                }
+                Err(e) => {
+                    eprintln!("cohort bench: cannot wait for rank {rank}: {e}");
+                    let _ = child.kill();
+                    failed = true;
+                    code = code.max(1);
+                }
+            }
+            *done = true;
+        }
+        if failed {
+            for (rank, (child, done)) in children.iter_mut().zip(done.iter_mut()).enumerate().filter(|(_, (_, d))| !**d)
+            {
+                eprintln!("cohort bench: stopping rank {rank}");
+                let _ = child.kill();
+                let _ = child.wait();
+                *done = true;
+            }
+        }
+        std::thread::sleep(std::time::Duration::from_millis(5));
+    }
+    if let Some(relay) = relay {
+        let _ = relay.join();
+    }
+    drop(store);
     Ok(code)
 }
 

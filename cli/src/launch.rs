@@ -241,15 +241,16 @@ fn print_table(procs: &[RankProc]) {
     }
 }
 
-/// The store `cohort launch` hosts on node 0, served from its own thread until dropped.
-struct HostedStore {
-    port: u16,
+/// The store `cohort launch` hosts on node 0 (and `cohort bench` for its local ranks), served
+/// from its own thread until dropped.
+pub(crate) struct HostedStore {
+    pub(crate) port: u16,
     stop: Option<tokio::sync::oneshot::Sender<()>>,
     thread: Option<JoinHandle<()>>,
 }
 
 impl HostedStore {
-    fn start(port: u16) -> Result<HostedStore, String> {
+    pub(crate) fn start(port: u16) -> Result<HostedStore, String> {
         use cohort_transports::{TcpStoreServer, TcpStoreServerConfig, TokioNet};
         let runtime = tokio::runtime::Builder::new_current_thread()
             .enable_all()
