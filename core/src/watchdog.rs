@@ -37,7 +37,8 @@ pub enum TimerKind {
 /// dropped when it reaches the top (the top is never stale between calls). Setting and
 /// cancelling a work's deadline, once per work, are then a hash-map insert and removal and a
 /// heap push that usually moves nothing (deadlines mostly grow); B-trees cost several times
-/// that (the keys are this process's own, so the map uses a fast, non-keyed hash). Ties between equal deadlines pop in [`TimerKind`] order, so runs replay.
+/// that. The keys are this process's own, so the map uses a fast, non-keyed hash. Ties between
+/// equal deadlines pop in [`TimerKind`] order, so runs replay.
 #[derive(Debug, Clone, Default)]
 pub struct TimerTable {
     by_kind: FxHashMap<TimerKind, Duration>,
