@@ -1,7 +1,8 @@
 //! Properties of the collective schedules: every op, every algorithm, world sizes 1..=16 and
 //! random delivery orders give what a naive reference computes; allreduce is bit-identical on
 //! every rank; a duplicated, resized or lost chunk ends in a clear error or a stuck rank that
-//! names its peer — never a panic, never a wrong answer.
+//! names its peer — never a panic, never a wrong answer. Chunks are received staged or, in half
+//! the cases, in place where the executor allows it.
 
 use cohort_core::schedule::harness::{Harness, RunOutcome, SplitMix64, Tamper};
 use cohort_core::schedule::{AllreduceAlgorithm, Executor, Plan, PlanOptions, ScheduleError, ScheduleOp};
@@ -46,7 +47,11 @@ impl Case {
             .zip(inputs)
             .map(|(p, d)| Executor::new(p, reduction, HostBuffer::from_bytes(d)).expect("valid executor"))
             .collect();
-        Harness::new(executors, self.seed)
+        // Half the cases receive in place where the executors allow it, as the TCP reader does
+        // for large chunks.
+        let mut h = Harness::new(executors, self.seed);
+        h.receive_in_place(self.seed & 1 == 1);
+        h
     }
 }
 

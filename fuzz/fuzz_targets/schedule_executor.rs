@@ -1,7 +1,7 @@
 //! Schedule executors of every collective on 1–6 ranks, with arbitrary delivery order and
-//! messages dropped, duplicated or resized: the run ends in the right result, a clear error,
-//! or (only when a message was lost) stuck naming whom it waits on — never a panic and never a
-//! wrong result.
+//! messages dropped, duplicated or resized, received staged or in place: the run ends in the
+//! right result, a clear error, or (only when a message was lost) stuck naming whom it waits
+//! on — never a panic and never a wrong result.
 #![no_main]
 
 use arbitrary::Arbitrary;
@@ -65,6 +65,7 @@ fuzz_target!(|case: Case| {
     let sum = Reduction::new(ReduceOp::Sum, DType::I32).expect("sum on i32");
     let reduction = op.is_reduction().then_some(sum);
     let Ok(mut h) = Harness::for_op(&op, 4, options, reduction, inputs, case.seed) else { return };
+    h.receive_in_place(case.seed & 2 != 0);
     let mut script = case.tamper.into_iter();
     let mut lost = false;
     let outcome = h.run_with(|env, _| match script.next().unwrap_or(0) {

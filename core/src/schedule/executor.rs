@@ -24,25 +24,6 @@ pub struct Outgoing {
     pub range: Range<usize>,
 }
 
-/// Where the driver may put an incoming chunk ([`Executor::recv_target`]).
-#[derive(Debug, Clone, PartialEq, Eq, Hash)]
-pub enum RecvTarget {
-    /// Straight into `range` of `buf` ([`Executor::recv_buffer_mut`]), then
-    /// [`Executor::handle_recv_in_place`]: a copy step whose dependencies are met.
-    InPlace {
-        /// The buffer.
-        buf: BufId,
-        /// The byte range.
-        range: Range<usize>,
-    },
-    /// Into memory of the driver's own, then [`Executor::handle_recv`]: the chunk is combined
-    /// ([`RecvMode::Reduce`]) or arrived before its step may write (the executor keeps a copy).
-    Staged {
-        /// Copy or combine.
-        mode: RecvMode,
-    },
-}
-
 /// Runs one rank's [`Plan`] over buffers it owns: the driver feeds it the chunks that arrive
 /// and asks it which chunks to send. Pure: no IO, no clock, no randomness.
 ///
@@ -62,9 +43,11 @@ pub enum RecvTarget {
 ///    [`Executor::into_buffers`]. While not done, [`Executor::waiting_on`] names the peers whose
 ///    chunks the earliest unfinished step still needs (for the watchdog's message).
 ///
-/// Optionally, to receive without a copy: [`Executor::recv_target`] says whether a chunk may
-/// go straight into its buffer range; if so, write it through [`Executor::recv_buffer_mut`]
-/// and call [`Executor::handle_recv_in_place`] instead of `handle_recv`.
+/// Optionally, to receive without a copy: [`Executor::claim_in_place`] says whether a chunk
+/// may go straight into its buffer range (a copy step whose dependencies are met) and, if so,
+/// reserves it: fill [`Executor::claimed_buffer_mut`] (over as many calls as the bytes take to
+/// arrive; nothing else reads or writes that range meanwhile), then call
+/// [`Executor::finish_in_place`] instead of `handle_recv`.
 ///
 /// # Dependency rule
 ///
@@ -86,6 +69,8 @@ pub struct Executor {
     done: Vec<bool>,
     /// Per action: a receive whose chunk has arrived (applied or kept).
     arrived: Vec<bool>,
+    /// Receives claimed for an in-place write that has not finished yet, by action.
+    claimed: Vec<u32>,
     /// Chunks that arrived before their receive could be applied.
     kept: BTreeMap<u32, Vec<u8>>,
     /// Sends whose dependencies are met, not yet handed out.
@@ -129,6 +114,7 @@ impl Executor {
             unmet,
             done: vec![false; n],
             arrived: vec![false; n],
+            claimed: Vec::new(),
             kept: BTreeMap::new(),
             ready_sends: BTreeSet::new(),
             runnable: BTreeSet::new(),
@@ -187,46 +173,52 @@ impl Executor {
         Ok(())
     }
 
-    /// Where an incoming chunk of `len` bytes may go: straight into its buffer range (a copy
-    /// step that may write now) or staged. Refuses what [`Executor::handle_recv`] would.
-    pub fn recv_target(&self, from: Rank, step: u32, len: usize) -> Result<RecvTarget, ScheduleError> {
-        let i = self.check_recv(from, step, len)? as usize;
-        let Action::Recv { buf, range, mode, .. } = &self.plan.actions()[i] else {
+    /// Whether chunk `(step, from)` of `len` bytes may be written straight into its buffer
+    /// range, and if so, reserve that range for it: true if claimed (then write it through
+    /// [`Executor::claimed_buffer_mut`] and end with [`Executor::finish_in_place`]), false if
+    /// it must go through [`Executor::handle_recv`] (a chunk that is combined, or that arrived
+    /// before its step may write). Refuses, changing nothing, what `handle_recv` would refuse,
+    /// and a chunk already claimed.
+    pub fn claim_in_place(&mut self, from: Rank, step: u32, len: usize) -> Result<bool, ScheduleError> {
+        let i = self.check_recv(from, step, len)?;
+        let Action::Recv { mode, .. } = &self.plan.actions()[i as usize] else {
             unreachable!("recv_index points at receives")
         };
-        if *mode == RecvMode::Copy && self.unmet[i] == 0 {
-            Ok(RecvTarget::InPlace { buf: *buf, range: range.clone() })
+        if *mode == RecvMode::Copy && self.unmet[i as usize] == 0 {
+            self.claimed.push(i);
+            Ok(true)
         } else {
-            Ok(RecvTarget::Staged { mode: *mode })
+            Ok(false)
         }
     }
 
-    /// The buffer range an in-place chunk goes to, when [`Executor::recv_target`] says
-    /// [`RecvTarget::InPlace`]; refuses otherwise. Fill it completely, then call
-    /// [`Executor::handle_recv_in_place`].
-    pub fn recv_buffer_mut(&mut self, from: Rank, step: u32, len: usize) -> Result<&mut [u8], ScheduleError> {
-        match self.recv_target(from, step, len)? {
-            RecvTarget::InPlace { buf, range } => Ok(&mut self.buffer_mut(buf)[range]),
-            RecvTarget::Staged { .. } => Err(ScheduleError::NotInPlace { step, from }),
-        }
-    }
-
-    /// Chunk `(step, from)` has been written in place through [`Executor::recv_buffer_mut`].
-    /// Runs what that makes possible; afterwards drain [`Executor::poll_send`].
-    pub fn handle_recv_in_place(&mut self, from: Rank, step: u32) -> Result<(), ScheduleError> {
-        let i = self.plan.recv_index(step, from).ok_or_else(|| self.unexpected(from, step))?;
-        let len = match &self.plan.actions()[i] {
-            Action::Recv { range, .. } => range.len(),
-            _ => unreachable!("recv_index points at receives"),
+    /// The buffer range that claimed chunk `(step, from)` goes to (`None` if it is not
+    /// claimed). Its bytes are the chunk's once [`Executor::finish_in_place`] is called.
+    pub fn claimed_buffer_mut(&mut self, from: Rank, step: u32) -> Option<&mut [u8]> {
+        let i = self.claimed_index(from, step)?;
+        let Action::Recv { buf, range, .. } = self.plan.actions()[self.claimed[i] as usize].clone() else {
+            unreachable!("only receives are claimed")
         };
-        match self.recv_target(from, step, len)? {
-            RecvTarget::InPlace { .. } => {}
-            RecvTarget::Staged { .. } => return Err(ScheduleError::NotInPlace { step, from }),
-        }
-        self.arrived[i] = true;
-        self.complete(i as u32);
+        Some(&mut self.buffer_mut(buf)[range])
+    }
+
+    /// Claimed chunk `(step, from)` has been written in full through
+    /// [`Executor::claimed_buffer_mut`]. Runs what that makes possible; afterwards drain
+    /// [`Executor::poll_send`]. Refuses a chunk that is not claimed.
+    pub fn finish_in_place(&mut self, from: Rank, step: u32) -> Result<(), ScheduleError> {
+        let Some(k) = self.claimed_index(from, step) else {
+            return Err(ScheduleError::NotClaimed { step, from });
+        };
+        let i = self.claimed.swap_remove(k);
+        self.arrived[i as usize] = true;
+        self.complete(i);
         self.run_local();
         Ok(())
+    }
+
+    fn claimed_index(&self, from: Rank, step: u32) -> Option<usize> {
+        let i = self.plan.recv_index(step, from)? as u32;
+        self.claimed.iter().position(|&c| c == i)
     }
 
     /// Whether every action has run: the buffers hold the result. Accurate after
@@ -278,7 +270,7 @@ impl Executor {
     /// The receive action for `(step, from)`, if a chunk of `len` bytes is acceptable now.
     fn check_recv(&self, from: Rank, step: u32, len: usize) -> Result<u32, ScheduleError> {
         let i = self.plan.recv_index(step, from).ok_or_else(|| self.unexpected(from, step))?;
-        if self.arrived[i] {
+        if self.arrived[i] || self.claimed.contains(&(i as u32)) {
             return Err(ScheduleError::DuplicateChunk { step, from });
         }
         let Action::Recv { range, .. } = &self.plan.actions()[i] else { unreachable!("recv_index points at receives") };
@@ -465,12 +457,12 @@ mod tests {
         let mut a = ring_allreduce(0, 2, 4);
         let mut b = ring_allreduce(1, 2, 4);
         // Step 0 combines: staged. Step 1 copies into bytes that rank 0 has yet to send.
-        assert_eq!(a.recv_target(Rank(1), 0, 8).unwrap(), RecvTarget::Staged { mode: RecvMode::Reduce });
-        assert_eq!(a.recv_target(Rank(1), 1, 8).unwrap(), RecvTarget::Staged { mode: RecvMode::Copy });
-        assert_eq!(a.recv_buffer_mut(Rank(1), 1, 8).unwrap_err(), ScheduleError::NotInPlace { step: 1, from: Rank(1) });
+        assert_eq!(a.claim_in_place(Rank(1), 0, 8), Ok(false));
+        assert_eq!(a.claim_in_place(Rank(1), 1, 8), Ok(false));
+        assert_eq!(a.claimed_buffer_mut(Rank(1), 1), None);
+        assert_eq!(a.finish_in_place(Rank(1), 1), Err(ScheduleError::NotClaimed { step: 1, from: Rank(1) }));
         let sa = a.poll_send().unwrap();
         let pa = a.payload(&sa).to_vec();
-        assert_eq!(a.recv_target(Rank(1), 1, 8).unwrap(), RecvTarget::InPlace { buf: BufId::Data, range: 8..16 });
         let sb = b.poll_send().unwrap();
         let pb = b.payload(&sb).to_vec();
         a.handle_recv(Rank(1), 0, &pb).unwrap();
@@ -479,12 +471,20 @@ mod tests {
         let pa = a.payload(&sa).to_vec();
         let sb = b.poll_send().unwrap();
         let pb = b.payload(&sb).to_vec();
-        a.recv_buffer_mut(Rank(1), 1, 8).unwrap().copy_from_slice(&pb);
-        a.handle_recv_in_place(Rank(1), 1).unwrap();
-        assert_eq!(
-            a.handle_recv_in_place(Rank(1), 1).unwrap_err(),
-            ScheduleError::DuplicateChunk { step: 1, from: Rank(1) }
-        );
+        // Bad chunks are refused as handle_recv refuses them; a good one is claimed once.
+        assert!(matches!(a.claim_in_place(Rank(1), 1, 7), Err(ScheduleError::ChunkLength { .. })));
+        assert!(matches!(a.claim_in_place(Rank(1), 9, 8), Err(ScheduleError::UnexpectedChunk { .. })));
+        assert_eq!(a.claim_in_place(Rank(1), 1, 8), Ok(true));
+        assert_eq!(a.claim_in_place(Rank(1), 1, 8), Err(ScheduleError::DuplicateChunk { step: 1, from: Rank(1) }));
+        assert_eq!(a.handle_recv(Rank(1), 1, &pb), Err(ScheduleError::DuplicateChunk { step: 1, from: Rank(1) }));
+        // Still missing until finished: the watchdog names the sender.
+        assert_eq!(a.waiting_on(), vec![Rank(1)]);
+        // Filled over two writes, as a socket delivers it.
+        a.claimed_buffer_mut(Rank(1), 1).unwrap()[..3].copy_from_slice(&pb[..3]);
+        a.claimed_buffer_mut(Rank(1), 1).unwrap()[3..].copy_from_slice(&pb[3..]);
+        a.finish_in_place(Rank(1), 1).unwrap();
+        assert_eq!(a.finish_in_place(Rank(1), 1), Err(ScheduleError::NotClaimed { step: 1, from: Rank(1) }));
+        assert_eq!(a.claim_in_place(Rank(1), 1, 8), Err(ScheduleError::DuplicateChunk { step: 1, from: Rank(1) }));
         b.handle_recv(Rank(0), 1, &pa).unwrap();
         assert_eq!((a.poll_send(), b.poll_send()), (None, None));
         assert!(a.is_done() && b.is_done());

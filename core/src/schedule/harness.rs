@@ -112,13 +112,33 @@ pub struct Harness {
     delivered: usize,
     /// Payload buffers of delivered messages, reused for new ones.
     spare: Vec<Vec<u8>>,
+    /// Receive in place where the executor allows it ([`Harness::receive_in_place`]).
+    in_place: bool,
+    /// Chunks claimed for an in-place write and written up to `.1` bytes, the rest to come.
+    claimed: Vec<(Envelope, usize)>,
 }
 
 impl Harness {
     /// A harness over `executors`, where `executors[i]` runs rank `i`'s plan; `seed` picks the
     /// delivery order.
     pub fn new(executors: Vec<Executor>, seed: u64) -> Harness {
-        Harness { executors, in_flight: Vec::new(), rng: SplitMix64::new(seed), delivered: 0, spare: Vec::new() }
+        Harness {
+            executors,
+            in_flight: Vec::new(),
+            rng: SplitMix64::new(seed),
+            delivered: 0,
+            spare: Vec::new(),
+            in_place: false,
+            claimed: Vec::new(),
+        }
+    }
+
+    /// Receive chunks in place where the executor allows it
+    /// ([`Executor::claim_in_place`]), as a socket reader does: a claimed chunk's bytes are
+    /// written in two parts, with other deliveries in between (the second part is picked like
+    /// a message in flight).
+    pub fn receive_in_place(&mut self, on: bool) {
+        self.in_place = on;
     }
 
     /// Plans and executors for `op` on `inputs.len()` ranks, `inputs[i]` being rank `i`'s data
@@ -152,8 +172,18 @@ impl Harness {
         for rank in 0..self.executors.len() {
             self.drain(rank);
         }
-        while !self.in_flight.is_empty() {
-            let pick = self.rng.below(self.in_flight.len());
+        while !self.in_flight.is_empty() || !self.claimed.is_empty() {
+            let pick = self.rng.below(self.in_flight.len() + self.claimed.len());
+            if let Some(k) = pick.checked_sub(self.in_flight.len()) {
+                let (env, at) = self.claimed.swap_remove(k);
+                if let Err(error) = self.finish_claimed(&env, at) {
+                    return RunOutcome::Failed { rank: env.to, error };
+                }
+                let to = env.to.index();
+                self.spare.push(env.payload);
+                self.drain(to);
+                continue;
+            }
             let mut env = self.in_flight.swap_remove(pick);
             match tamper(&env, &mut self.rng) {
                 Tamper::Deliver => {}
@@ -163,6 +193,21 @@ impl Harness {
             }
             let to = env.to.index();
             self.delivered += 1;
+            if self.in_place {
+                match self.executors[to].claim_in_place(env.from, env.step, env.payload.len()) {
+                    Err(error) => return RunOutcome::Failed { rank: env.to, error },
+                    Ok(true) => {
+                        // The first part now; the rest later, like a socket's next read.
+                        let at = self.rng.below(env.payload.len() + 1);
+                        if let Some(dst) = self.executors[to].claimed_buffer_mut(env.from, env.step) {
+                            dst[..at].copy_from_slice(&env.payload[..at]);
+                        }
+                        self.claimed.push((env, at));
+                        continue;
+                    }
+                    Ok(false) => {}
+                }
+            }
             if let Err(error) = self.executors[to].handle_recv(env.from, env.step, &env.payload) {
                 return RunOutcome::Failed { rank: env.to, error };
             }
@@ -192,6 +237,15 @@ impl Harness {
     /// Every rank's `(data, output)` buffers, by rank.
     pub fn into_buffers(self) -> Vec<(HostBuffer, HostBuffer)> {
         self.executors.into_iter().map(Executor::into_buffers).collect()
+    }
+
+    /// Write the rest of a claimed chunk from byte `at` and finish it.
+    fn finish_claimed(&mut self, env: &Envelope, at: usize) -> Result<(), ScheduleError> {
+        let exec = &mut self.executors[env.to.index()];
+        if let Some(dst) = exec.claimed_buffer_mut(env.from, env.step) {
+            dst[at..].copy_from_slice(&env.payload[at..]);
+        }
+        exec.finish_in_place(env.from, env.step)
     }
 
     fn drain(&mut self, rank: usize) {

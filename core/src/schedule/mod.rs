@@ -59,7 +59,7 @@ use crate::tensor::DType;
 use crate::work::Rank;
 
 pub use cache::PlanCache;
-pub use executor::{Executor, Outgoing, RecvTarget};
+pub use executor::{Executor, Outgoing};
 pub use plan::{Action, Plan, RecvMode};
 
 /// Allreduce messages of at most this many bytes use recursive doubling under
@@ -379,10 +379,9 @@ pub enum ScheduleError {
         /// The op.
         op: &'static str,
     },
-    /// [`Executor::recv_buffer_mut`] or [`Executor::handle_recv_in_place`] on a chunk that
-    /// cannot be received in place now.
-    #[error("chunk for step {step} from rank {from} cannot be received in place now")]
-    NotInPlace {
+    /// [`Executor::finish_in_place`] on a chunk that was not claimed for an in-place write.
+    #[error("chunk for step {step} from rank {from} was not claimed for an in-place write")]
+    NotClaimed {
         /// The step.
         step: u32,
         /// The sender.
