@@ -3,8 +3,13 @@
 
 Each repetition runs, one after another: every row of cohort (`cohort bench`) each followed by the
 same row of OpenMPI over TCP (the anchor program built from MPI_SRC with mpicc, run with
-`--mca pml ob1 --mca btl tcp,self`) where it has one, so that each pair runs seconds apart; then
-torch's gloo (TORCH_BENCH under TORCH_PYTHON, all its rows in one run) and iperf3 over loopback.
+`--mca pml ob1 --mca btl tcp,self`) where it has one, and, with 2 ranks, by a bare TCP exchange of
+the row's bytes (scripts/tcp_exchange.c, built with cc: two processes each send and receive the
+bytes at once, what a 2-rank allreduce moves, with no reduction: the floor under its time), so
+that each group runs seconds apart; then
+torch's gloo (TORCH_BENCH under TORCH_PYTHON, all its rows in one run) and iperf3 over loopback
+(one stream; then two at once in opposite directions, the ceiling of a 2-rank allreduce's busbw,
+which sends and receives at once).
 An anchor that is not installed is skipped and named. Medians over the repetitions are printed as
 a Markdown table, with the median of the per-repetition time ratios (the machine's speed drifts
 between repetitions; a ratio of two runs taken close together drifts less); every raw figure
@@ -15,7 +20,8 @@ goes to --raw as JSON.
         --torch-bench ../shared/bench/torch_gloo_bench.py --torch-python /path/venv/bin/python
 
 Rows: float32 SUM allreduce at 4 B, 1 MiB and 64 MiB (µs; busbw GB/s), barrier, and the work
-lifecycle (a zero-element allreduce, synchronous and with 16 in flight).
+lifecycle (a zero-element allreduce, synchronous and with 16 in flight). The TCP exchange's busbw
+is the one an allreduce taking its time would have.
 """
 
 import argparse
@@ -79,6 +85,13 @@ def mpi_row(exe, ranks, name):
     raise RuntimeError(f"the MPI anchor printed no row for {size} bytes")
 
 
+def exchange_row(exe, name):
+    """One bare TCP exchange row: (time_us, the busbw an allreduce of that time would have)."""
+    size, iters, warm = MPI_ROWS[name]
+    us = float(run([exe, str(size), str(iters), str(warm)]).split()[0])
+    return (us, size / us / 1e3)
+
+
 def torch(python, script, ranks):
     res = {}
     out = run([python, script, str(ranks), str(free_port()), "5", "1"], timeout=900)
@@ -101,24 +114,46 @@ def torch(python, script, ranks):
     return res
 
 
+def iperf_client(port, reverse=False):
+    """Start an iperf3 client on `port` (3 s; `reverse`: the server sends)."""
+    cmd = ["iperf3", "-c", "127.0.0.1", "-p", str(port), "-t", "3", "-J"] + (["-R"] if reverse else [])
+    return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+
+
+def received_gbs(client):
+    out, _ = client.communicate(timeout=30)
+    return json.loads(out)["end"]["sum_received"]["bits_per_second"] / 8e9
+
+
 def iperf():
-    port = free_port()
-    server = subprocess.Popen(["iperf3", "-s", "-1", "-p", str(port)], stdout=subprocess.DEVNULL,
-                              stderr=subprocess.DEVNULL)
+    """Loopback TCP: one stream, then two at once in opposite directions (each with its own
+    client and server process), the ceiling of a 2-rank allreduce, which sends and receives
+    at once: GB/s per direction, the mean of the two."""
+    ports = [free_port(), free_port(), free_port()]
+    servers = [subprocess.Popen(["iperf3", "-s", "-p", str(p)], stdout=subprocess.DEVNULL,
+                                stderr=subprocess.DEVNULL) for p in ports]
+    import time
     try:
         for _ in range(50):
             try:
-                out = run(["iperf3", "-c", "127.0.0.1", "-p", str(port), "-t", "3", "-J"], timeout=30)
-                bps = json.loads(out)["end"]["sum_received"]["bits_per_second"]
-                return {"loopback TCP (iperf3, one stream)": (0.0, bps / 8e9)}
-            except (RuntimeError, KeyError, ValueError):
+                one = received_gbs(iperf_client(ports[0]))
+                break
+            except (KeyError, ValueError):
                 # Not listening yet (iperf3 then answers with an error in its JSON).
-                import time
                 time.sleep(0.1)
-        raise RuntimeError("iperf3 server did not answer")
+        else:
+            raise RuntimeError("iperf3 server did not answer")
+        try:
+            both = [iperf_client(ports[1]), iperf_client(ports[2], reverse=True)]
+            duplex = sum(received_gbs(c) for c in both) / 2
+        except (KeyError, ValueError) as e:
+            raise RuntimeError(f"iperf3 in both directions failed: {e}")
+        return {"loopback TCP (iperf3, one stream)": (0.0, one),
+                "loopback TCP (iperf3, both directions, per direction)": (0.0, duplex)}
     finally:
-        server.kill()
-        server.wait()
+        for s in servers:
+            s.kill()
+            s.wait()
 
 
 def main():
@@ -128,6 +163,8 @@ def main():
     ap.add_argument("--cohort", default="target/release/cohort")
     ap.add_argument("--mpi-src", default="../shared/bench/mpi_allreduce.c")
     ap.add_argument("--torch-bench", default="../shared/bench/torch_gloo_bench.py")
+    ap.add_argument("--exchange-src", default=os.path.join(os.path.dirname(os.path.abspath(__file__)),
+                                                           "tcp_exchange.c"))
     ap.add_argument("--torch-python", default=os.environ.get("COHORT_TORCH_PYTHON"))
     ap.add_argument("--raw", default=None, help="write every figure here (JSON)")
     a = ap.parse_args()
@@ -139,6 +176,14 @@ def main():
         run(["mpicc", "-O2", "-o", mpi_exe, a.mpi_src, "-lm"])
     else:
         skipped.append("OpenMPI (mpicc/mpirun or the anchor source missing)")
+    exchange_exe = None
+    if a.ranks != 2:
+        skipped.append("TCP exchange (2 ranks only)")
+    elif shutil.which("cc") and os.path.exists(a.exchange_src):
+        exchange_exe = os.path.join(tempfile.mkdtemp(), "tcp_exchange")
+        run(["cc", "-O2", "-o", exchange_exe, a.exchange_src])
+    else:
+        skipped.append("TCP exchange (cc or its source missing)")
     others = {}
     if a.torch_python and os.path.exists(a.torch_bench):
         others["torch gloo"] = lambda: torch(a.torch_python, a.torch_bench, a.ranks)
@@ -149,10 +194,10 @@ def main():
     else:
         skipped.append("iperf3 (not installed)")
 
-    names = ["cohort"] + (["OpenMPI TCP"] if mpi_exe else []) + list(others)
+    names = ["cohort"] + (["OpenMPI TCP"] if mpi_exe else []) + (["TCP exchange"] if exchange_exe else []) + list(others)
     raw = {name: [] for name in names}
     for rep in range(a.reps):
-        mine, theirs = {}, {}
+        mine, theirs, floor = {}, {}, {}
         for row in COHORT_ROWS:
             mine[row] = cohort_row(a.cohort, a.ranks, row)
             if mpi_exe and row in MPI_ROWS:
@@ -161,9 +206,16 @@ def main():
                 except RuntimeError as e:
                     # An anchor that fails once leaves a gap in its column, not a lost run.
                     print(f"rep {rep + 1}/{a.reps}: OpenMPI {row} failed, left out: {e}", file=sys.stderr)
+            if exchange_exe and row in ("allreduce 1 MiB", "allreduce 64 MiB"):
+                try:
+                    floor[row] = exchange_row(exchange_exe, row)
+                except RuntimeError as e:
+                    print(f"rep {rep + 1}/{a.reps}: TCP exchange {row} failed, left out: {e}", file=sys.stderr)
         raw["cohort"].append(mine)
         if mpi_exe:
             raw["OpenMPI TCP"].append(theirs)
+        if exchange_exe:
+            raw["TCP exchange"].append(floor)
         print(f"rep {rep + 1}/{a.reps}: cohort and OpenMPI done", file=sys.stderr)
         for name, fn in others.items():
             try:
@@ -179,7 +231,8 @@ def main():
     rows = list(COHORT_ROWS)
     cols = [n for n in names if n != "iperf3"]
     # Time ratios of two columns, taken per repetition (same rep, close in time), then the median.
-    pairs = [(x, y) for x, y in (("cohort", "OpenMPI TCP"), ("torch gloo", "cohort")) if x in cols and y in cols]
+    pairs = [(x, y) for x, y in (("cohort", "OpenMPI TCP"), ("torch gloo", "cohort"), ("cohort", "TCP exchange"))
+             if x in cols and y in cols]
 
     def ratio(x, y, row):
         rs = [a[row][0] / b[row][0] for a, b in zip(raw[x], raw[y]) if row in a and row in b and b[row][0] > 0]
@@ -203,8 +256,10 @@ def main():
         print(f"| {row} | " + " | ".join(cells) + " |")
     # A failed iperf3 repetition left an empty entry.
     bws = [r["loopback TCP (iperf3, one stream)"][1] for r in raw.get("iperf3", []) if r]
+    duplex = [r["loopback TCP (iperf3, both directions, per direction)"][1] for r in raw.get("iperf3", []) if r]
     if bws:
-        print(f"\nloopback TCP, iperf3 one stream, same run: {statistics.median(bws):.2f} GB/s (median)")
+        print(f"\nloopback TCP, iperf3 one stream, same run: {statistics.median(bws):.2f} GB/s (median); "
+              f"two streams at once in opposite directions: {statistics.median(duplex):.2f} GB/s per direction")
     for s in skipped:
         print(f"skipped: {s}")
 
