@@ -233,7 +233,7 @@ fn a_crash_at_a_time_names_the_rank_in_every_survivor() {
     let report = Simulation::new(5)
         .seed(3)
         .script(Script::allreduces(20, 4096))
-        .faults(FaultPlan::none().with(Fault::Crash { rank: 4, at: Trigger::AtMs(25) }))
+        .faults(FaultPlan::none().with(Fault::Crash { rank: 4, at: Trigger::AtMs(40) }))
         .run()
         .unwrap();
     check(&report).unwrap();

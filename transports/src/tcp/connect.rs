@@ -5,9 +5,14 @@
 //! rank and accepts every higher one. On each connection both sides write their
 //! [`Handshake`], read the other's, check it and answer with a [`HandshakeReply`], so both
 //! learn why a connection was refused (wrong world size, wrong group, duplicate rank…).
-//! With `connections_per_peer` > 1 each pair opens that many, each handshake carrying its
-//! index. With `lazy_connect`, init only waits for every rank's address and the mesh is built
-//! on first use (see `lazy`).
+//! Each pair opens two sets of `connections_per_peer` connections, one per direction of bulk
+//! data (each handshake carries its index, in `0..2 × connections_per_peer`): the lower rank
+//! writes its large data frames on the first set, the higher on the second, and both write
+//! everything else (control frames, p2p messages, small data frames) on connection 0 and read
+//! from all. A rank's bulk writes then never share a socket with its peer's (on one shared
+//! socket they contend for its lock), while small frames both ways keep sharing one, where each
+//! side's data carries its acknowledgements. With `lazy_connect`, init only waits for every
+//! rank's address and the mesh is built on first use (see `lazy`).
 
 use std::collections::BTreeMap;
 use std::net::SocketAddr;
@@ -178,14 +183,25 @@ impl ProcessGroup {
                 writers.push(None);
                 continue;
             }
-            let mut lanes = Vec::with_capacity(conns.len());
-            for s in conns {
-                let (tx, rx) = link::lane();
-                lanes.push(tx);
+            // This rank writes its large data frames on its direction's set, everything else on
+            // connection 0; a connection it does not write on only needs a writer that says
+            // goodbye (given once the driver exists).
+            let k = usize::from(k);
+            let lower = me.0 < peer as u32;
+            let mine = if lower { 0..k } else { k..2 * k };
+            let mut lanes = Vec::with_capacity(k + 1);
+            for (index, s) in conns.into_iter().enumerate() {
                 tallies[peer].add();
-                attached.push((Rank(peer as u32), s, rx));
+                if index == 0 || mine.contains(&index) {
+                    let (tx, rx) = link::lane();
+                    lanes.push(tx);
+                    attached.push((Rank(peer as u32), s, Some(rx)));
+                } else {
+                    attached.push((Rank(peer as u32), s, None));
+                }
             }
-            writers.push(Some(link::Lanes::new(lanes)));
+            let bulk = if lower { 0..k } else { 1..k + 1 };
+            writers.push(Some(link::Lanes::with_bulk(lanes, bulk)));
         }
         let lazy = opts.lazy_connect.then_some(k);
         let inner = Arc::new_cyclic(|weak: &std::sync::Weak<Inner>| {
@@ -223,6 +239,7 @@ impl ProcessGroup {
             }
         });
         for (peer, stream, rx) in attached {
+            let rx = rx.unwrap_or_else(|| inner.lock().idle_writer());
             attach(&inner, peer, stream, rx);
         }
         let weak = Arc::downgrade(&inner);
@@ -445,8 +462,8 @@ async fn await_addresses(store: &dyn Store, gid: GroupId, world_size: u32, opts:
     }
 }
 
-/// Build the full mesh: `connections_per_peer` streams per peer, in connection order (none at
-/// this rank's own index).
+/// Build the full mesh: `2 × connections_per_peer` streams per peer (the lower rank's
+/// direction first), in connection order (none at this rank's own index).
 async fn mesh<N: Net>(
     net: &N,
     listener: &N::Listener,
@@ -460,7 +477,8 @@ async fn mesh<N: Net>(
     if world_size == 1 {
         return Ok(streams);
     }
-    let k = opts.connections_per_peer;
+    // Both directions' connections; the handshake counts them all.
+    let k = 2 * opts.connections_per_peer;
     let expect = HandshakeExpectation::new(gid, me, world_size).with_connections_per_peer(k);
     let deadline = tokio::time::Instant::now() + opts.init_timeout;
     let higher = world_size - me.0 - 1;

@@ -413,18 +413,29 @@ fn write_now(socket: &std::net::TcpStream, head: &[u8], payload: &[u8]) -> usize
 }
 
 /// The connections to one peer, as the driver writes to them: one queue per connection.
-/// Large data frames go round robin over them; everything else (control frames, point-to-point
-/// messages, small data frames) keeps to the first, so that its order holds. Data frames may
+/// Large data frames go round robin over its bulk lanes; everything else (control frames,
+/// point-to-point messages, small data frames) keeps to the first, so that its order holds. Data frames may
 /// arrive in any order: the schedule executor places a chunk by its step and sender.
 #[derive(Debug)]
 pub(crate) struct Lanes {
     lanes: Vec<LaneTx>,
+    /// The lanes large data frames go round robin over.
+    bulk: std::ops::Range<usize>,
     next: std::sync::atomic::AtomicUsize,
 }
 
 impl Lanes {
+    /// Large data frames round robin over every lane.
     pub(crate) fn new(lanes: Vec<LaneTx>) -> Self {
-        Lanes { lanes, next: std::sync::atomic::AtomicUsize::new(0) }
+        let bulk = 0..lanes.len();
+        Lanes::with_bulk(lanes, bulk)
+    }
+
+    /// Large data frames round robin over the lanes of `bulk` (a range of `lanes`, clamped to
+    /// it; lane 0 when it is empty), everything else on lane 0.
+    pub(crate) fn with_bulk(lanes: Vec<LaneTx>, bulk: std::ops::Range<usize>) -> Self {
+        let bulk = bulk.start.min(lanes.len())..bulk.end.min(lanes.len());
+        Lanes { lanes, bulk, next: std::sync::atomic::AtomicUsize::new(0) }
     }
 
     /// Send `out` on its connection as `mode` allows (see [`LaneTx::send`]).
@@ -434,9 +445,9 @@ impl Lanes {
 
     /// The connection a frame with `header` and a payload of `len` bytes goes on.
     pub(crate) fn lane_for(&self, header: &FrameHeader, len: usize) -> Option<&LaneTx> {
-        let n = self.lanes.len();
-        let lane = if n > 1 && header.kind == FrameKind::Data && len > COALESCE_LIMIT {
-            self.next.fetch_add(1, std::sync::atomic::Ordering::Relaxed) % n
+        let n = self.bulk.len();
+        let lane = if n > 0 && header.kind == FrameKind::Data && len > COALESCE_LIMIT {
+            self.bulk.start + self.next.fetch_add(1, std::sync::atomic::Ordering::Relaxed) % n
         } else {
             0
         };
@@ -878,6 +889,27 @@ mod tests {
         assert_eq!(counts, vec![2 + 3, 2, 2]);
         drop(rxs);
         assert_eq!(lanes.send(frame(FrameKind::Data, 16), SendMode::QUEUE), Sent::Gone, "a closed connection refuses");
+    }
+
+    #[test]
+    fn with_bulk_lanes_large_data_frames_keep_to_them_and_the_rest_to_the_first_connection() {
+        // The higher rank of a pair: the shared connection 0, then its own direction's two.
+        let (txs, mut rxs): (Vec<_>, Vec<_>) = (0..3).map(|_| lane()).unzip();
+        let lanes = Lanes::with_bulk(txs, 1..3);
+        let big = COALESCE_LIMIT + 1;
+        for _ in 0..4 {
+            assert_eq!(lanes.send(frame(FrameKind::Data, big), SendMode::QUEUE), Sent::Queued);
+        }
+        assert_eq!(lanes.send(frame(FrameKind::Data, 16), SendMode::QUEUE), Sent::Queued);
+        assert_eq!(lanes.send(frame(FrameKind::P2p, big), SendMode::QUEUE), Sent::Queued);
+        let counts: Vec<usize> = rxs.iter_mut().map(|r| std::iter::from_fn(|| r.rx.try_recv().ok()).count()).collect();
+        assert_eq!(counts, vec![2, 2, 2]);
+        // A bulk range past the lanes is clamped; an empty one sends everything on the first.
+        let (txs, mut rxs): (Vec<_>, Vec<_>) = (0..2).map(|_| lane()).unzip();
+        let lanes = Lanes::with_bulk(txs, 2..5);
+        assert_eq!(lanes.send(frame(FrameKind::Data, big), SendMode::QUEUE), Sent::Queued);
+        let counts: Vec<usize> = rxs.iter_mut().map(|r| std::iter::from_fn(|| r.rx.try_recv().ok()).count()).collect();
+        assert_eq!(counts, vec![1, 0]);
     }
 
     #[test]

@@ -28,10 +28,13 @@ pub struct TcpOptions {
     pub bind_addr: IpAddr,
     /// Largest frame payload accepted from a peer. Default 1 GiB.
     pub max_frame: u64,
-    /// TCP connections between each pair of ranks (1 to [`MAX_CONNECTIONS_PER_PEER`]). With
-    /// more than one, large data frames are spread over them round robin; control frames and
-    /// point-to-point messages keep to the first, so their order holds. Every rank must use the
-    /// same number (the handshake checks it). `COHORT_CONNECTIONS_PER_PEER`, default 1.
+    /// TCP connections each rank writes its large data frames to a peer on (1 to
+    /// [`MAX_CONNECTIONS_PER_PEER`]), round robin. A pair of ranks opens twice as many, one set
+    /// per direction, so that the two ranks' bulk writes never share a socket; control frames,
+    /// point-to-point messages and small data frames go both ways on the pair's first
+    /// connection, so their order holds. Every rank must use the same number (the handshake
+    /// checks it). Under `lazy_connect`, each rank that dials opens one set and writes on it.
+    /// `COHORT_CONNECTIONS_PER_PEER`, default 1.
     pub connections_per_peer: u16,
     /// Connect to a peer on first use rather than to every peer at init (Gloo's lazy init,
     /// `TORCH_GLOO_LAZY_INIT`): init only waits until every rank has published its address, and
