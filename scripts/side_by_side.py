@@ -34,6 +34,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import time
 
 
 def free_port():
@@ -132,7 +133,6 @@ def iperf():
     ports = [free_port(), free_port(), free_port()]
     servers = [subprocess.Popen(["iperf3", "-s", "-p", str(p)], stdout=subprocess.DEVNULL,
                                 stderr=subprocess.DEVNULL) for p in ports]
-    import time
     try:
         for _ in range(50):
             try:

@@ -254,17 +254,13 @@ impl Collective {
         self.outputs.iter().map(TensorSpec::numel).fold(0, usize::saturating_add)
     }
 
-    /// The ranks this work cannot complete without (other than `me`).
+    /// The ranks of a `world_size`-rank group this work cannot complete without (other than
+    /// `me`, for a collective), ascending: those [`Collective::needs_peer`] names.
     pub fn peers_needed(&self, me: Rank, world_size: u32) -> Vec<Rank> {
-        match self.op {
-            OpType::Send | OpType::Recv => self.peer.into_iter().collect(),
-            OpType::RecvAnySource => Vec::new(),
-            _ => (0..world_size).map(Rank).filter(|&r| r != me).collect(),
-        }
+        (0..world_size).map(Rank).filter(|&r| self.needs_peer(me, r)).collect()
     }
 
-    /// Whether this work cannot complete without `rank` (as [`Collective::peers_needed`], with
-    /// no list built).
+    /// Whether this work cannot complete without `rank`.
     pub fn needs_peer(&self, me: Rank, rank: Rank) -> bool {
         match self.op {
             OpType::Send | OpType::Recv => self.peer == Some(rank),

@@ -414,8 +414,9 @@ fn write_now(socket: &std::net::TcpStream, head: &[u8], payload: &[u8]) -> usize
 
 /// The connections to one peer, as the driver writes to them: one queue per connection.
 /// Large data frames go round robin over its bulk lanes; everything else (control frames,
-/// point-to-point messages, small data frames) keeps to the first, so that its order holds. Data frames may
-/// arrive in any order: the schedule executor places a chunk by its step and sender.
+/// point-to-point messages, small data frames) keeps to the first, so that its order holds.
+/// Data frames may arrive in any order: the schedule executor places a chunk by its step and
+/// sender.
 #[derive(Debug)]
 pub(crate) struct Lanes {
     lanes: Vec<LaneTx>,
