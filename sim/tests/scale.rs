@@ -1,5 +1,6 @@
-//! 64 simulated ranks: a mesh of 2016 connections, an allreduce, one crash. The wall time is
-//! printed (the note quotes it from a release run); the assertions are about behaviour.
+//! 64 simulated ranks: a mesh of 4032 connections (2016 pairs, one per direction), an
+//! allreduce, one crash. The wall time is printed (the note quotes it from a release run); the
+//! assertions are about behaviour.
 
 use cohort_sim::{Fate, FaultPlan, Outcome, Script, Simulation};
 
