@@ -638,6 +638,10 @@ pub(crate) struct Assembler {
     partial: Option<(FrameHeader, Vec<u8>, usize)>,
     /// The last read_buf was the partial payload itself.
     direct: bool,
+    /// The last frame's payload was read (at least partly) straight into its own buffer: the
+    /// next read takes only the next header, so that a large payload after it is read straight
+    /// into its buffer too rather than partly into the staging buffer and copied from there.
+    after_large: bool,
     /// A last frame (goodbye, malformed) was returned: nothing more comes.
     ended: bool,
 }
@@ -653,6 +657,7 @@ impl Assembler {
             end: 0,
             partial: None,
             direct: false,
+            after_large: false,
             ended: false,
         }
     }
@@ -697,6 +702,7 @@ impl Assembler {
             }
             // The length was checked against the frame limit by decode.
             let len = usize::try_from(header.payload_len).unwrap_or(usize::MAX);
+            self.after_large = false;
             if len == 0 {
                 return Some(self.complete(header, Vec::new()));
             }
@@ -728,6 +734,7 @@ impl Assembler {
     /// first.
     pub(crate) fn read_buf(&mut self) -> &mut [u8] {
         let buffered = self.end - self.start;
+        let header_only = self.after_large && self.partial.is_none() && buffered < HEADER_LEN;
         if let Some((_, payload, got)) = &mut self.partial
             && buffered == 0
             && payload.len() - *got >= self.buf.len()
@@ -741,13 +748,19 @@ impl Assembler {
             self.end = buffered;
             self.start = 0;
         }
+        if header_only {
+            return &mut self.buf[buffered..HEADER_LEN];
+        }
         &mut self.buf[self.end..]
     }
 
     /// `n` bytes were read into the last [`Assembler::read_buf`].
     pub(crate) fn advance(&mut self, n: usize) {
         match &mut self.partial {
-            Some((_, _, got)) if self.direct => *got += n,
+            Some((_, _, got)) if self.direct => {
+                *got += n;
+                self.after_large = true;
+            }
             _ => self.end = (self.end + n).min(self.buf.len()),
         }
     }
@@ -1010,6 +1023,31 @@ mod tests {
         assert_eq!(reason(last).0, "frame on rank 1's connection claims to come from rank 2");
         let (_, last) = assemble(&[0xAB; HEADER_LEN], &[64]);
         assert!(reason(last).0.starts_with("malformed frame from rank 1: "));
+    }
+
+    #[test]
+    fn after_a_payload_read_straight_into_its_buffer_the_next_read_takes_only_the_next_header() {
+        let frames = [data(1, STAGING * 2, 1), data(2, STAGING * 2, 2), data(3, 5, 3), data(4, 7, 4)];
+        let bytes = wire(&frames);
+        let mut asm = Assembler::new(Rank(1), FrameLimits::new(1 << 30), BufferPool::default());
+        let (mut at, mut sizes, mut got) = (0, Vec::new(), Vec::new());
+        while at < bytes.len() {
+            let buf = asm.read_buf();
+            let n = buf.len().min(bytes.len() - at);
+            buf[..n].copy_from_slice(&bytes[at..at + n]);
+            asm.advance(n);
+            at += n;
+            sizes.push(n);
+            while let Some(Ok(Inbound::Frame { header, payload, .. })) = asm.poll_frame() {
+                got.push((header, payload));
+            }
+        }
+        assert_eq!(got, frames);
+        // The first read fills the staging buffer (header and the start of payload 1), the rest of
+        // payload 1 goes straight in; then header 2 alone, payload 2 straight in; then header 3
+        // alone, and what is left (small frames) through the staging buffer in one read.
+        let p = STAGING * 2;
+        assert_eq!(sizes, vec![STAGING, p - (STAGING - HEADER_LEN), HEADER_LEN, p, HEADER_LEN, 5 + HEADER_LEN + 7]);
     }
 
     proptest::proptest! {
