@@ -20,7 +20,7 @@ pub(super) fn ring_allreduce(ctx: &Ctx, count: usize) -> Builder {
     let mut b = Builder::new(ctx, count, 0);
     b.premultiply(Data, 0..count);
     let segs = Segments::new(&counts);
-    let chunks = ctx.chunks_for(counts[0]);
+    let chunks = ctx.reduce_chunks_for(counts[0]);
     ring_reduce_scatter_rounds(ctx, &mut b, &segs, chunks);
     let own = segs.get(ctx.rank);
     for k in 0..chunks {
@@ -37,7 +37,7 @@ pub(super) fn ring_reduce_scatter(ctx: &Ctx, counts: &[usize]) -> Builder {
     let segs = Segments::new(counts);
     let mut b = Builder::new(ctx, segs.total(), counts[ctx.rank]);
     b.premultiply(Data, 0..segs.total());
-    let chunks = ctx.chunks_for(counts.iter().copied().max().unwrap_or(0));
+    let chunks = ctx.reduce_chunks_for(counts.iter().copied().max().unwrap_or(0));
     ring_reduce_scatter_rounds(ctx, &mut b, &segs, chunks);
     b.copy(Data, segs.get(ctx.rank), Output, 0..counts[ctx.rank]);
     b.finalize(Output, 0..counts[ctx.rank]);
@@ -461,6 +461,26 @@ mod tests {
         let send_idx = p.actions().iter().position(|a| matches!(a, Action::Send { step: 2, .. })).unwrap();
         let recv_idx = p.recv_index(0, Rank(4)).unwrap() as u32;
         assert_eq!(p.deps(send_idx), &[recv_idx]);
+    }
+
+    #[test]
+    fn ring_reductions_split_a_segment_into_at_least_three_chunks_of_at_least_128_kib() {
+        use crate::schedule::{DEFAULT_CHUNK_BYTES, MIN_REDUCE_CHUNK_BYTES};
+        let ring = PlanOptions { allreduce: AllreduceAlgorithm::Ring, chunk_bytes: DEFAULT_CHUNK_BYTES };
+        let sends = |op: ScheduleOp, n: usize| messages(&plan(op, 0, n, ring)).iter().filter(|m| m.3).count();
+        // 2 ranks, 1 byte per element: one round each way, so sends = chunks (+ chunks).
+        let allreduce = |bytes: usize, n: usize| sends(ScheduleOp::Allreduce { count: bytes }, n) / (2 * (n - 1));
+        assert_eq!(allreduce(1 << 20, 2), 3, "1 MiB: 512 KiB segments, 3 chunks rather than 1");
+        assert_eq!(allreduce(2 << 20, 2), 3, "2 MiB: 1 MiB segments, 3 chunks rather than 2");
+        assert_eq!(allreduce(4 << 20, 2), 4, "4 MiB: the default chunk size already gives 4");
+        assert_eq!(allreduce(64 << 20, 2), 64, "64 MiB: 64 chunks of 512 KiB");
+        assert_eq!(allreduce(2 * MIN_REDUCE_CHUNK_BYTES, 2), 1, "a 128 KiB segment stays whole");
+        assert_eq!(allreduce(4 * MIN_REDUCE_CHUNK_BYTES, 2), 2, "256 KiB: 2 chunks of 128 KiB");
+        assert_eq!(allreduce(3 << 20, 3), 3, "3 ranks, 1 MiB segments");
+        let rs = sends(ScheduleOp::ReduceScatter { counts: vec![512 * 1024; 2] }, 2);
+        assert_eq!(rs, 3, "reduce_scatter pipelines the same way");
+        // Copies only: allgather keeps the plain chunk size.
+        assert_eq!(sends(ScheduleOp::Allgather { counts: vec![512 * 1024; 2] }, 2), 1);
     }
 
     #[test]

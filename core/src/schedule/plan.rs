@@ -304,6 +304,17 @@ impl Ctx {
         bytes.div_ceil(self.chunk_bytes).clamp(1, super::MAX_PIPELINE_CHUNKS).min(max_elems.max(1))
     }
 
+    /// Pipeline chunks per segment of a ring reduction: [`Ctx::chunks_for`], but at least
+    /// [`MIN_REDUCE_PIPELINE_CHUNKS`] where each still holds [`MIN_REDUCE_CHUNK_BYTES`].
+    ///
+    /// [`MIN_REDUCE_PIPELINE_CHUNKS`]: super::MIN_REDUCE_PIPELINE_CHUNKS
+    /// [`MIN_REDUCE_CHUNK_BYTES`]: super::MIN_REDUCE_CHUNK_BYTES
+    pub(super) fn reduce_chunks_for(&self, max_elems: usize) -> usize {
+        let bytes = max_elems * self.elem_size;
+        let floor = (bytes / super::MIN_REDUCE_CHUNK_BYTES).min(super::MIN_REDUCE_PIPELINE_CHUNKS);
+        self.chunks_for(max_elems).max(floor)
+    }
+
     pub(super) fn peer(&self, rank: usize) -> Rank {
         // World sizes are at most MAX_WORLD_SIZE, so every rank fits in u32.
         Rank(rank as u32)
