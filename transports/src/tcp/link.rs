@@ -41,13 +41,15 @@ impl BufferPool {
         Ok(v)
     }
 
-    /// A kept buffer with room for `len` bytes (its contents as they were), else a new empty one.
+    /// A kept buffer with room for `len` bytes (its contents as they were), else a new empty one:
+    /// the one given back last, whose bytes are likeliest still in cache (a 64 MiB allreduce,
+    /// 2 ranks: 0.97–0.99 of the time with the first kept one, 3 alternated runs).
     fn kept(&self, len: usize) -> Vec<u8> {
         if len < Self::MIN {
             return Vec::new();
         }
         let mut kept = self.0.lock().unwrap_or_else(|p| p.into_inner());
-        match kept.iter().position(|b| b.capacity() >= len) {
+        match kept.iter().rposition(|b| b.capacity() >= len) {
             Some(i) => kept.swap_remove(i),
             None => Vec::new(),
         }
