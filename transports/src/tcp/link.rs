@@ -43,7 +43,7 @@ impl BufferPool {
 
     /// A kept buffer with room for `len` bytes (its contents as they were), else a new empty one:
     /// the one given back last, whose bytes are likeliest still in cache (a 64 MiB allreduce,
-    /// 2 ranks: 0.97–0.99 of the time with the first kept one, 3 alternated runs).
+    /// 2 ranks: 0.95–0.99 of the time with the first kept one, two alternated runs).
     fn kept(&self, len: usize) -> Vec<u8> {
         if len < Self::MIN {
             return Vec::new();
