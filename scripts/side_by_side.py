@@ -70,9 +70,9 @@ def cohort_row(exe, ranks, name):
 
 ROW = re.compile(r"^\s+(\d+)\s+(\d+)\s+([\d.]+)\s+([\d.]+)\s+([\d.]+)")
 # Rows the size-based anchors have: name -> (bytes, iterations, warm-up), as cohort's rows. At
-# 1 MiB an iteration takes about half a millisecond and a stalled one (the machine's, seen by
-# cohort and OpenMPI alike) one or more: with 50 iterations, a few such stalls decided a
-# repetition's mean, and the per-repetition ratio to OpenMPI ranged from 0.62 to 2.04.
+# 1 MiB an iteration takes about half a millisecond and a stalled one a millisecond or more (in
+# this machine's slow spells OpenMPI's times rise too): with 50 iterations, a few stalls decided
+# a repetition's mean, and the per-repetition ratio to OpenMPI ranged from 0.62 to 2.04.
 MPI_ROWS = {"allreduce 4 B": (4, 2000, 200), "allreduce 1 MiB": (1 << 20, 200, 20), "allreduce 64 MiB": (64 << 20, 10, 3)}
 # torch_gloo_bench.py's iterations and warm-up for every size of its sweep (the 64 MiB row's, as
 # everyone's): at 64 MiB the first iterations on fresh connections run long (even the bare
