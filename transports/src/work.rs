@@ -133,8 +133,9 @@ pub(crate) trait Progress: Send + Sync {
     /// A thread starts polling; for how long at most.
     fn begin(&self) -> Duration;
     /// Read what has arrived and feed it; whether anything was delivered, or `None` if the
-    /// thread had better stop polling and sleep.
-    fn poll(&self) -> Option<bool>;
+    /// thread had better stop polling and sleep. `first`: the thread's first poll of this wait
+    /// (what it waits for has often arrived already; the transport may read without asking).
+    fn poll(&self, first: bool) -> Option<bool>;
     /// The thread stops polling; `finished`: its work ended.
     fn stop(&self, finished: bool);
     /// Someone (a thread, a task) starts waiting for the runtime to finish a work.
@@ -315,8 +316,9 @@ impl Work {
         let budget = progress.begin();
         let start = std::time::Instant::now();
         let mut spent = true;
+        let mut first = true;
         while !self.ended() && start.elapsed() < budget {
-            match progress.poll() {
+            match progress.poll(std::mem::take(&mut first)) {
                 Some(true) => {}
                 Some(false) => std::hint::spin_loop(),
                 None => {
@@ -599,6 +601,42 @@ mod tests {
         l.start(Duration::from_millis(1)).unwrap();
         l.finish(Duration::from_millis(4), state).unwrap();
         l
+    }
+
+    /// Records how each poll of a wait was asked, and finishes the work at the third.
+    struct Recorder {
+        firsts: Mutex<Vec<bool>>,
+        completer: Mutex<Option<WorkCompleter>>,
+    }
+
+    impl Progress for Recorder {
+        fn begin(&self) -> Duration {
+            Duration::from_secs(5)
+        }
+        fn poll(&self, first: bool) -> Option<bool> {
+            let mut firsts = self.firsts.lock().unwrap();
+            firsts.push(first);
+            if firsts.len() == 3
+                && let Some(c) = self.completer.lock().unwrap().take()
+            {
+                c.finish(WorkResult::Success, finished_lifecycle(WorkState::Completed), Vec::new());
+                return Some(true);
+            }
+            Some(false)
+        }
+        fn stop(&self, _finished: bool) {}
+        fn sleep(&self) {}
+        fn woke(&self, _time: Duration, _polled: bool) {}
+        fn flush(&self) {}
+    }
+
+    #[test]
+    fn only_the_first_poll_of_each_wait_is_marked_first() {
+        let (work, completer) = Work::pending(WorkId(1), SeqNo(1), OpType::Allreduce, None);
+        let recorder = Arc::new(Recorder { firsts: Mutex::new(Vec::new()), completer: Mutex::new(Some(completer)) });
+        work.set_progress(recorder.clone(), true);
+        work.wait().unwrap();
+        assert_eq!(*recorder.firsts.lock().unwrap(), vec![true, false, false]);
     }
 
     #[test]

@@ -195,9 +195,9 @@ impl ProcessGroup {
                 if index == 0 || mine.contains(&index) {
                     let (tx, rx) = link::lane();
                     lanes.push(tx);
-                    attached.push((Rank(peer as u32), s, Some(rx)));
+                    attached.push((Rank(peer as u32), s, Some(rx), index == 0));
                 } else {
-                    attached.push((Rank(peer as u32), s, None));
+                    attached.push((Rank(peer as u32), s, None, index == 0));
                 }
             }
             let bulk = if lower { 0..k } else { 1..k + 1 };
@@ -238,9 +238,9 @@ impl ProcessGroup {
                 progress,
             }
         });
-        for (peer, stream, rx) in attached {
+        for (peer, stream, rx, shared) in attached {
             let rx = rx.unwrap_or_else(|| inner.lock().idle_writer());
-            attach(&inner, peer, stream, rx);
+            attach(&inner, peer, stream, rx, shared);
         }
         let weak = Arc::downgrade(&inner);
         let mut tasks = vec![
@@ -262,7 +262,7 @@ impl ProcessGroup {
 /// the driver closes it), a reader task feeds what arrives to the driver through the peer's
 /// close tally. The caller has counted the connection in the tally. A real TCP socket takes
 /// the fast path (see [`super::socket`]).
-pub(crate) fn attach<S>(inner: &Arc<Inner>, peer: Rank, stream: S, rx: link::LaneRx)
+pub(crate) fn attach<S>(inner: &Arc<Inner>, peer: Rank, stream: S, rx: link::LaneRx, shared: bool)
 where
     S: AsyncRead + AsyncWrite + Send + 'static,
 {
@@ -275,7 +275,7 @@ where
             socket::take(tcp)
         };
         match taken {
-            Ok(fast) => attach_fast(inner, peer, fast, rx),
+            Ok(fast) => attach_fast(inner, peer, fast, rx, shared),
             Err((e, Some(tcp))) => {
                 tracing::debug!(%peer, "no fast path for this connection ({e})");
                 attach_generic(inner, peer, tcp, rx);
@@ -324,13 +324,13 @@ where
     inner.tasks.lock().unwrap_or_else(|p| p.into_inner()).push(reader);
 }
 
-fn attach_fast(inner: &Arc<Inner>, peer: Rank, fast: socket::FastSocket, rx: link::LaneRx) {
+fn attach_fast(inner: &Arc<Inner>, peer: Rank, fast: socket::FastSocket, rx: link::LaneRx, shared: bool) {
     let Some(tally) = inner.tallies.get(peer.index()).cloned() else { return };
     let fast = Arc::new(fast);
     let limits = FrameLimits::new(inner.opts.max_frame);
     let pool = inner.lock().pool.clone();
     let asm = link::Assembler::new(peer, limits, pool);
-    let reader = Arc::new(socket::FastReader::new(fast.clone(), asm, tally.clone()));
+    let reader = Arc::new(socket::FastReader::new(fast.clone(), asm, tally.clone(), shared));
     inner.readers.write().unwrap_or_else(|p| p.into_inner()).push(reader.clone());
     rx.gate.open(fast.std());
     let err_tx = spawn_error_relay(inner, tally);

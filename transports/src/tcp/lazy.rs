@@ -58,8 +58,8 @@ async fn dial<N: Net>(net: N, inner: Arc<Inner>, peer: Rank, lanes: Vec<LaneRx>)
             if let Some(tally) = &tally {
                 streams.iter().for_each(|_| tally.add());
             }
-            for (stream, rx) in streams.into_iter().zip(lanes) {
-                connect::attach(&inner, peer, stream, rx);
+            for (index, (stream, rx)) in streams.into_iter().zip(lanes).enumerate() {
+                connect::attach(&inner, peer, stream, rx, index == 0);
             }
             inner.input(|st, fx| st.peer_connected(now(), peer, fx));
         }
@@ -128,12 +128,12 @@ where
 {
     let n = streams.len();
     let mut queues = inner.input(|st, _| st.accept_lanes(now(), peer, n)).map(Vec::into_iter);
-    for stream in streams {
+    for (index, stream) in streams.into_iter().enumerate() {
         let rx = match queues.as_mut().and_then(Iterator::next) {
             Some(rx) => rx,
             None => inner.lock().idle_writer(),
         };
-        connect::attach(inner, peer, stream, rx);
+        connect::attach(inner, peer, stream, rx, index == 0);
     }
     inner.timer.notify_one();
 }

@@ -151,8 +151,8 @@ impl crate::work::Progress for Poller {
         p.budget
     }
 
-    fn poll(&self) -> Option<bool> {
-        self.0.upgrade().and_then(|inner| inner.progress())
+    fn poll(&self, first: bool) -> Option<bool> {
+        self.0.upgrade().and_then(|inner| inner.progress(first))
     }
 
     fn stop(&self, finished: bool) {
@@ -239,7 +239,15 @@ impl Inner {
     /// work; whether anything was delivered, or `None` if this rank's own frames wait for the
     /// writer tasks: a polling thread would only keep them from the CPU (on a host with as many
     /// busy threads as cores, for a whole time slice), so it had better sleep.
-    pub(crate) fn progress(self: &Arc<Self>) -> Option<bool> {
+    ///
+    /// On a wait's `first` look it reads the connections that carry small frames without asking
+    /// `poll(2)` which have bytes: in a run of small works what it waits for has usually arrived
+    /// already, and the `poll` would be a third system call per work besides the write and the
+    /// read (`strace -c -f`, 5,000 4-byte allreduces over 2 ranks: 10,258 `poll` calls before,
+    /// 862 after; every iteration's time pooled over 16 alternations, median 0.91 of before).
+    /// Later looks ask `poll` first, so that a thread spinning on an empty socket does not
+    /// contend with the peer's packets for its lock.
+    pub(crate) fn progress(self: &Arc<Self>, first: bool) -> Option<bool> {
         if self.unwritten.load(std::sync::atomic::Ordering::Relaxed) > 0 {
             return None;
         }
@@ -247,9 +255,15 @@ impl Inner {
         let mut delivered = false;
         {
             let readers = self.readers.read().unwrap_or_else(|p| p.into_inner());
-            for (r, ready) in readers.iter().zip(socket::readable(&readers)) {
-                if ready {
+            if first {
+                for r in readers.iter().filter(|r| r.shared()) {
                     delivered |= r.drain(self, true, &mut acc);
+                }
+            } else {
+                for (r, ready) in readers.iter().zip(socket::readable(&readers)) {
+                    if ready {
+                        delivered |= r.drain(self, true, &mut acc);
+                    }
                 }
             }
         }

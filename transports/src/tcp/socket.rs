@@ -168,11 +168,19 @@ pub(crate) struct FastReader {
     ended: AtomicBool,
     /// Whether the epoll set is armed (or has fired and its event is not yet taken).
     armed: AtomicBool,
+    /// The connection carries small frames both ways (a peer's first connection).
+    shared: bool,
 }
 
 impl FastReader {
-    pub(crate) fn new(socket: Arc<FastSocket>, asm: Assembler, tally: Arc<CloseTally>) -> Self {
-        FastReader { socket, asm: Mutex::new(asm), tally, ended: AtomicBool::new(false), armed: AtomicBool::new(true) }
+    pub(crate) fn new(socket: Arc<FastSocket>, asm: Assembler, tally: Arc<CloseTally>, shared: bool) -> Self {
+        let (ended, armed) = (AtomicBool::new(false), AtomicBool::new(true));
+        FastReader { socket, asm: Mutex::new(asm), tally, ended, armed, shared }
+    }
+
+    /// Whether the connection carries small frames both ways (see [`FastReader::new`]).
+    pub(crate) fn shared(&self) -> bool {
+        self.shared
     }
 
     /// The socket's descriptor.
