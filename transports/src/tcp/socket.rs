@@ -178,7 +178,8 @@ impl FastReader {
         FastReader { socket, asm: Mutex::new(asm), tally, ended, armed, shared }
     }
 
-    /// Whether the connection carries small frames both ways (see [`FastReader::new`]).
+    /// Whether the connection carries small frames both ways (a peer's first connection: see
+    /// [`Inner::progress`]).
     pub(crate) fn shared(&self) -> bool {
         self.shared
     }
