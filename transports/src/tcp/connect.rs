@@ -195,9 +195,9 @@ impl ProcessGroup {
                 if index == 0 || mine.contains(&index) {
                     let (tx, rx) = link::lane();
                     lanes.push(tx);
-                    attached.push((Rank(peer as u32), s, Some(rx), index == 0));
+                    attached.push((Rank(peer as u32), s, Some(rx), index));
                 } else {
-                    attached.push((Rank(peer as u32), s, None, index == 0));
+                    attached.push((Rank(peer as u32), s, None, index));
                 }
             }
             let bulk = if lower { 0..k } else { 1..k + 1 };
@@ -238,9 +238,9 @@ impl ProcessGroup {
                 progress,
             }
         });
-        for (peer, stream, rx, shared) in attached {
+        for (peer, stream, rx, index) in attached {
             let rx = rx.unwrap_or_else(|| inner.lock().idle_writer());
-            attach(&inner, peer, stream, rx, shared);
+            attach(&inner, peer, stream, rx, index);
         }
         let weak = Arc::downgrade(&inner);
         let mut tasks = vec![
@@ -261,8 +261,9 @@ impl ProcessGroup {
 /// Serve one connection to `peer`: a writer task writes what `rx` queues (and says goodbye when
 /// the driver closes it), a reader task feeds what arrives to the driver through the peer's
 /// close tally. The caller has counted the connection in the tally. A real TCP socket takes
-/// the fast path (see [`super::socket`]).
-pub(crate) fn attach<S>(inner: &Arc<Inner>, peer: Rank, stream: S, rx: link::LaneRx, shared: bool)
+/// the fast path (see [`super::socket`]). `index`: the connection's place in the peer's set
+/// (connection 0 carries the small frames of both directions).
+pub(crate) fn attach<S>(inner: &Arc<Inner>, peer: Rank, stream: S, rx: link::LaneRx, index: usize)
 where
     S: AsyncRead + AsyncWrite + Send + 'static,
 {
@@ -275,7 +276,7 @@ where
             socket::take(tcp)
         };
         match taken {
-            Ok(fast) => attach_fast(inner, peer, fast, rx, shared),
+            Ok(fast) => attach_fast(inner, peer, fast, rx, index == 0),
             Err((e, Some(tcp))) => {
                 tracing::debug!(%peer, "no fast path for this connection ({e})");
                 attach_generic(inner, peer, tcp, rx);

@@ -59,7 +59,7 @@ async fn dial<N: Net>(net: N, inner: Arc<Inner>, peer: Rank, lanes: Vec<LaneRx>)
                 streams.iter().for_each(|_| tally.add());
             }
             for (index, (stream, rx)) in streams.into_iter().zip(lanes).enumerate() {
-                connect::attach(&inner, peer, stream, rx, index == 0);
+                connect::attach(&inner, peer, stream, rx, index);
             }
             inner.input(|st, fx| st.peer_connected(now(), peer, fx));
         }
@@ -133,7 +133,7 @@ where
             Some(rx) => rx,
             None => inner.lock().idle_writer(),
         };
-        connect::attach(inner, peer, stream, rx, index == 0);
+        connect::attach(inner, peer, stream, rx, index);
     }
     inner.timer.notify_one();
 }
