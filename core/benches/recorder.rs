@@ -23,7 +23,7 @@ fn request(seq: u64) -> RecordRequest<'static> {
         collective_seq_id: seq,
         p2p_seq_id: 0,
         op_id: seq,
-        profiling_name: NAMES[(seq % 4) as usize],
+        profiling_name: NAMES[(seq % 4) as usize].into(),
         inputs: TENSORS,
         outputs: TENSORS,
         timeout: Duration::from_secs(600),

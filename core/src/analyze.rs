@@ -433,7 +433,7 @@ mod tests {
                         collective_seq_id: i as u64 + 1,
                         p2p_seq_id: if p2p { i as u64 + 1 } else { 0 },
                         op_id: i as u64 + 1,
-                        profiling_name: &name,
+                        profiling_name: name.as_str().into(),
                         inputs: &t,
                         outputs: &t,
                         timeout: Duration::from_secs(1),

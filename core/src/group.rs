@@ -29,7 +29,7 @@ use std::time::{Duration, Instant};
 
 use serde::{Deserialize, Serialize};
 
-use crate::recorder::{Dump, DumpMeta, FlightRecorder, RecordId, RecordRequest, RecorderConfig};
+use crate::recorder::{Dump, DumpMeta, FlightRecorder, NameId, ProfilingName, RecordId, RecordRequest, RecorderConfig};
 use crate::seqmap::SeqMap;
 use crate::tensor::{DType, numel_of};
 use crate::watchdog::{TimeoutContext, TimerKind, TimerTable, timeout_message};
@@ -727,6 +727,9 @@ pub struct GroupState {
     heard: Vec<Duration>,
     /// The last profiling name formatted for the recorder (its allocation is reused).
     name_buf: String,
+    /// The recorder's id of each collective's profiling name (`backend:op`), interned on first
+    /// use: recording a collective neither formats nor hashes its name.
+    collective_names: Vec<(OpType, NameId)>,
 }
 
 impl GroupState {
@@ -759,6 +762,7 @@ impl GroupState {
             launches: VecDeque::new(),
             events: VecDeque::new(),
             name_buf: String::new(),
+            collective_names: Vec::new(),
             heard: vec![Duration::ZERO; cfg.world_size as usize],
             cfg,
         };
@@ -1130,12 +1134,24 @@ impl GroupState {
         // Formatted into a buffer kept for the next submit: the recorder interns the name.
         let mut profiling_name = std::mem::take(&mut self.name_buf);
         profiling_name.clear();
-        let written = match (c.op, c.peer) {
-            (OpType::Send, Some(p)) => write!(profiling_name, "{}:send {}->{p}", self.cfg.backend, self.rank),
-            (OpType::Recv, Some(p)) => write!(profiling_name, "{}:recv {}<-{p}", self.cfg.backend, self.rank),
-            (op, _) => write!(profiling_name, "{}:{}", self.cfg.backend, op.name()),
+        let name = match (c.op, c.peer) {
+            (OpType::Send, Some(p)) => {
+                let _ = write!(profiling_name, "{}:send {}->{p}", self.cfg.backend, self.rank);
+                ProfilingName::Text(&profiling_name)
+            }
+            (OpType::Recv, Some(p)) => {
+                let _ = write!(profiling_name, "{}:recv {}<-{p}", self.cfg.backend, self.rank);
+                ProfilingName::Text(&profiling_name)
+            }
+            (op, _) => ProfilingName::Interned(match self.collective_names.iter().find(|(o, _)| *o == op) {
+                Some(&(_, id)) => id,
+                None => {
+                    let id = self.recorder.intern_name(&format!("{}:{}", self.cfg.backend, op.name()));
+                    self.collective_names.push((op, id));
+                    id
+                }
+            }),
         };
-        written.expect("formatting into a String cannot fail");
         let is_p2p = c.op.is_p2p();
         let outputs = if c.outputs.is_empty() { &c.inputs } else { &c.outputs };
         let record = self.recorder.record(
@@ -1147,7 +1163,7 @@ impl GroupState {
                 collective_seq_id: if is_p2p { self.seq.0 } else { seq.0 },
                 p2p_seq_id: if is_p2p { seq.0 } else { self.p2p_seq.0 },
                 op_id: self.next_work - 1,
-                profiling_name: &profiling_name,
+                profiling_name: name,
                 inputs: &c.inputs,
                 outputs,
                 timeout,

@@ -88,8 +88,8 @@ pub use protocol::{
     HandshakeExpectation, HandshakeReply, RejectReason,
 };
 pub use recorder::{
-    Dump, DumpEntry, DumpError, DumpMeta, EntryState, FlightRecorder, PgConfig, PgStatus, RecordId, RecordRequest,
-    RecorderConfig, TensorMeta, TensorShape,
+    Dump, DumpEntry, DumpError, DumpMeta, EntryState, FlightRecorder, NameId, PgConfig, PgStatus, ProfilingName,
+    RecordId, RecordRequest, RecorderConfig, TensorMeta, TensorShape,
 };
 pub use reduce::{ReduceError, ReduceOp, Reduction};
 pub use schedule::{Executor, Plan, ScheduleError};

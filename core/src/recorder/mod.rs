@@ -108,6 +108,29 @@ impl fmt::Display for RecordId {
     }
 }
 
+/// A [`RecordRequest`]'s profiling name: its text, or the id this recorder's
+/// [`intern_name`](FlightRecorder::intern_name) gave that text, which records it without
+/// hashing it again.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ProfilingName<'a> {
+    /// The name itself.
+    Text(&'a str),
+    /// A name interned earlier by the same recorder. An id it never gave records as
+    /// `(unknown profiling name)`.
+    Interned(NameId),
+}
+
+impl<'a> From<&'a str> for ProfilingName<'a> {
+    fn from(name: &'a str) -> Self {
+        ProfilingName::Text(name)
+    }
+}
+
+/// An interned profiling name (see [`ProfilingName::Interned`]); valid for the life of the
+/// recorder that gave it (a [`reset`](FlightRecorder::reset) keeps names).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct NameId(u32);
+
 /// Anything with a dtype and a shape: what a [`RecordRequest`] lists as inputs and outputs.
 /// Implemented for [`Tensor`] and [`TensorMeta`]; argument specs elsewhere can implement it too.
 pub trait TensorShape {
@@ -170,8 +193,9 @@ pub struct RecordRequest<'a, T = TensorMeta<'a>> {
     pub op_id: u64,
     /// `backend:op`, built from the backend name and [`OpType::name`](crate::work::OpType::name),
     /// e.g. `gloo:all_reduce`; torch's analyzer expects `nccl:send 0->1` / `nccl:recv 1<-0`
-    /// (group ranks) for point-to-point ops.
-    pub profiling_name: &'a str,
+    /// (group ranks) for point-to-point ops. The text, or (on a hot path) the id
+    /// [`FlightRecorder::intern_name`] gave it.
+    pub profiling_name: ProfilingName<'a>,
     /// Input tensors (their dtypes and shapes).
     pub inputs: &'a [T],
     /// Output tensors.
@@ -336,7 +360,11 @@ impl FlightRecorder {
             return None;
         }
         let group = self.intern_group(req);
-        let name = self.intern_name(req.profiling_name);
+        let name = match req.profiling_name {
+            ProfilingName::Text(text) => self.intern_name(text).0,
+            ProfilingName::Interned(id) if (id.0 as usize) < self.names.len() => id.0,
+            ProfilingName::Interned(_) => self.intern_name("(unknown profiling name)").0,
+        };
         let seq = self.recorded;
         self.recorded += 1;
         if !req.is_p2p {
@@ -564,14 +592,16 @@ impl FlightRecorder {
         u32::try_from(index).expect("fewer than 2^32 distinct process groups")
     }
 
-    fn intern_name(&mut self, name: &str) -> u32 {
+    /// The id of profiling name `name`, to record it as [`ProfilingName::Interned`]; the
+    /// same id for the same text for the life of the recorder.
+    pub fn intern_name(&mut self, name: &str) -> NameId {
         if let Some(&id) = self.name_index.get(name) {
-            return id;
+            return NameId(id);
         }
         let id = u32::try_from(self.names.len()).expect("fewer than 2^32 distinct profiling names");
         self.names.push(name.into());
         self.name_index.insert(name.into(), id);
-        id
+        NameId(id)
     }
 }
 

@@ -28,7 +28,7 @@ fn allreduce(seq: u64) -> RecordRequest<'static> {
         collective_seq_id: seq,
         p2p_seq_id: 0,
         op_id: seq,
-        profiling_name: "gloo:all_reduce",
+        profiling_name: "gloo:all_reduce".into(),
         inputs: METAS,
         outputs: METAS,
         timeout: ms(60_000),
@@ -105,7 +105,10 @@ fn pg_status_follows_collectives() {
     assert_eq!(status(&fr, "0"), st(3, 3, 2));
     // Point-to-point ops leave it alone.
     let send = fr
-        .record(ms(6), &RecordRequest { is_p2p: true, p2p_seq_id: 1, profiling_name: "gloo:send 1->0", ..allreduce(3) })
+        .record(
+            ms(6),
+            &RecordRequest { is_p2p: true, p2p_seq_id: 1, profiling_name: "gloo:send 1->0".into(), ..allreduce(3) },
+        )
         .unwrap();
     fr.handle_started(send, ms(6));
     fr.handle_completed(send, ms(7));
@@ -125,6 +128,24 @@ fn every_group_gets_its_own_status_and_config() {
     assert_eq!(dump.pg_config["5"].ranks, vec![0]);
     assert_eq!(dump.entries[0].process_group, ("5".to_owned(), "tp".to_owned()));
     assert_eq!(dump.entries[0].pg_id, 5);
+}
+
+#[test]
+fn interned_names_record_as_their_text_and_unknown_ids_say_so() {
+    let mut fr = recorder(4);
+    let id = fr.intern_name("gloo:broadcast");
+    assert_eq!(fr.intern_name("gloo:broadcast"), id, "the same text keeps its id");
+    fr.record(ms(1), &RecordRequest { profiling_name: ProfilingName::Interned(id), ..allreduce(1) }).unwrap();
+    fr.record(ms(2), &allreduce(2)).unwrap();
+    // An id this recorder never gave (another recorder's) must not panic or borrow a name.
+    let mut other = recorder(4);
+    for name in ["a", "b", "c", "d", "e"] {
+        other.intern_name(name);
+    }
+    let foreign = other.intern_name("f");
+    fr.record(ms(3), &RecordRequest { profiling_name: ProfilingName::Interned(foreign), ..allreduce(3) }).unwrap();
+    let names: Vec<String> = fr.dump(meta()).entries.into_iter().map(|e| e.profiling_name).collect();
+    assert_eq!(names, ["gloo:broadcast", "gloo:all_reduce", "(unknown profiling name)"]);
 }
 
 #[test]
@@ -256,11 +277,12 @@ fn small_dump() -> Dump {
     let a = fr.record(ms(1), &allreduce(1)).unwrap();
     fr.handle_started(a, ms(2));
     fr.handle_completed(a, ms(5));
+    let bcast_name = format!("gloo:{}", OpType::Broadcast.name());
     let bcast = RecordRequest {
         pg_id: 1,
         pg_name: "1",
         pg_desc: "undefined",
-        profiling_name: &format!("gloo:{}", OpType::Broadcast.name()),
+        profiling_name: bcast_name.as_str().into(),
         timeout: ms(1_500),
         ..allreduce(1)
     };
@@ -271,10 +293,16 @@ fn small_dump() -> Dump {
         culprit: None,
     };
     fr.handle_finished(b, ms(1_507), &timeout);
-    let send =
-        RecordRequest { p2p_seq_id: 1, op_id: 2, profiling_name: "gloo:send 1->0", is_p2p: true, ..allreduce(1) };
+    let send = RecordRequest {
+        p2p_seq_id: 1,
+        op_id: 2,
+        profiling_name: "gloo:send 1->0".into(),
+        is_p2p: true,
+        ..allreduce(1)
+    };
     fr.record(ms(1_508), &send).unwrap();
-    let barrier = RecordRequest { profiling_name: "gloo:barrier", op_id: 3, inputs: &[], outputs: &[], ..allreduce(2) };
+    let barrier =
+        RecordRequest { profiling_name: "gloo:barrier".into(), op_id: 3, inputs: &[], outputs: &[], ..allreduce(2) };
     fr.record(ms(1_509), &barrier).unwrap();
     fr.dump(DumpMeta { comm_lib_version: "cohort-tcp 0.1.0".into(), ..meta() })
 }
