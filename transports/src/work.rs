@@ -341,6 +341,14 @@ impl Work {
     /// Block until the work ends; `Ok` if it succeeded.
     pub fn wait(&self) -> Result<(), WorkError> {
         self.flush();
+        {
+            // Already over (the common case for all but the first of a batch of works): no
+            // polling, no clock, no bookkeeping of pollers.
+            let slot = self.shared.lock();
+            if slot.summary.is_some() || slot.dropped {
+                return self.outcome(&slot);
+            }
+        }
         let progress = self.shared.progress.get();
         let polled = match progress {
             Some((progress, true)) => self.busy_poll(progress),
