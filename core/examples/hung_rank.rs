@@ -48,9 +48,9 @@ fn main() {
             if everyone {
                 g.handle_completion(now, id, Completion::Success);
             } else {
-                let missing =
+                let missing: Vec<Rank> =
                     (0..WORLD).filter(|&o| !launched[o as usize].iter().any(|&(s, _)| s == seq)).map(Rank).collect();
-                g.handle_waiting_on(now, id, missing);
+                g.handle_waiting_on(now, id, &missing);
             }
         }
         report(&mut ranks);

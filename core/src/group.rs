@@ -899,9 +899,16 @@ impl GroupState {
 
     /// The data plane says work `id` is waiting for these ranks' parts; a timeout message will
     /// name them. Queues nothing.
-    pub fn handle_waiting_on(&mut self, _now: Instant, id: WorkId, ranks: Vec<Rank>) {
+    pub fn handle_waiting_on(&mut self, _now: Instant, id: WorkId, ranks: &[Rank]) {
         if let Some(w) = self.works.get_mut(&id) {
-            w.waiting_on = Some(ranks);
+            match &mut w.waiting_on {
+                Some(was) if was.as_slice() == ranks => {}
+                Some(was) => {
+                    was.clear();
+                    was.extend_from_slice(ranks);
+                }
+                None => w.waiting_on = Some(ranks.to_vec()),
+            }
         }
     }
 
@@ -1455,7 +1462,7 @@ mod tests {
         let a = g.submit(t0, allreduce(4)).unwrap();
         while g.poll_launch().is_some() {}
         g.handle_started(t0, a);
-        g.handle_waiting_on(t0, a, vec![Rank(1)]);
+        g.handle_waiting_on(t0, a, &[Rank(1)]);
         (g, t0)
     }
 
@@ -1530,7 +1537,7 @@ mod tests {
         let a = g.submit(t0, allreduce(1024)).unwrap();
         g.poll_launch();
         g.handle_started(t0, a);
-        g.handle_waiting_on(t0, a, vec![Rank(2)]);
+        g.handle_waiting_on(t0, a, &[Rank(2)]);
         // First the stuck note, halfway; then the deadline.
         assert_eq!(g.poll_timeout(), Some(t0 + Duration::from_secs(5)));
         g.handle_timeout(t0 + Duration::from_secs(9));

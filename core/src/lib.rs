@@ -49,7 +49,7 @@
 //! }
 //! // The first one completes; the second waits on rank 1, which never sends its part.
 //! g.handle_completion(t0 + Duration::from_millis(3), a, Completion::Success);
-//! g.handle_waiting_on(t0 + Duration::from_millis(3), b, vec![Rank(1)]);
+//! g.handle_waiting_on(t0 + Duration::from_millis(3), b, &[Rank(1)]);
 //!
 //! // Sleep until the next deadline, then let the watchdog fire.
 //! let deadline = g.poll_timeout().unwrap();

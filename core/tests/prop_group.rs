@@ -98,7 +98,7 @@ proptest! {
                     }
                 }
                 Input::Start(i) => if let Some(id) = pick(i) { g.handle_started(now, id) },
-                Input::Waiting(i, r) => if let Some(id) = pick(i) { g.handle_waiting_on(now, id, vec![Rank(r % world)]) },
+                Input::Waiting(i, r) => if let Some(id) = pick(i) { g.handle_waiting_on(now, id, &[Rank(r % world)]) },
                 Input::Succeed(i) => if let Some(id) = pick(i) { g.handle_completion(now, id, Completion::Success) },
                 Input::Fail(i, r) => if let Some(id) = pick(i) {
                     g.handle_completion(now, id, Completion::Failed { rank: r.map(|r| Rank(r % world)), message: "injected".into() })

@@ -64,11 +64,8 @@ pub struct Executor {
     reduction: Option<Reduction>,
     data: HostBuffer,
     output: HostBuffer,
-    /// Per action: dependencies not yet done.
-    unmet: Vec<u32>,
-    done: Vec<bool>,
-    /// Per action: a receive whose chunk has arrived (applied or kept).
-    arrived: Vec<bool>,
+    /// Per action, in one allocation: what it waits for and how far it got.
+    acts: Vec<ActState>,
     /// Receives claimed for an in-place write that has not finished yet, by action.
     claimed: Vec<u32>,
     /// Chunks that arrived before their receive could be applied.
@@ -78,6 +75,16 @@ pub struct Executor {
     /// Local actions and arrived receives whose dependencies are met, not yet run.
     runnable: BTreeSet<u32>,
     remaining: usize,
+}
+
+/// One action's progress.
+#[derive(Debug, Clone, Copy)]
+struct ActState {
+    /// Dependencies not yet done.
+    unmet: u32,
+    done: bool,
+    /// A receive whose chunk has arrived (applied or kept).
+    arrived: bool,
 }
 
 impl Executor {
@@ -104,16 +111,14 @@ impl Executor {
             });
         }
         let n = plan.actions().len();
-        let unmet = (0..n).map(|i| plan.deps(i).len() as u32).collect();
+        let acts = (0..n).map(|i| ActState { unmet: plan.deps(i).len() as u32, done: false, arrived: false }).collect();
         let output = HostBuffer::zeroed(plan.output_len());
         let mut exec = Executor {
             plan,
             reduction,
             data,
             output,
-            unmet,
-            done: vec![false; n],
-            arrived: vec![false; n],
+            acts,
             claimed: Vec::new(),
             kept: BTreeMap::new(),
             ready_sends: BTreeSet::new(),
@@ -121,7 +126,7 @@ impl Executor {
             remaining: n,
         };
         for i in 0..n {
-            if exec.unmet[i] == 0 {
+            if exec.acts[i].unmet == 0 {
                 exec.became_ready(i as u32);
             }
         }
@@ -162,8 +167,8 @@ impl Executor {
     /// duplicate, or a payload of the wrong length.
     pub fn handle_recv(&mut self, from: Rank, step: u32, payload: &[u8]) -> Result<(), ScheduleError> {
         let i = self.check_recv(from, step, payload.len())?;
-        self.arrived[i as usize] = true;
-        if self.unmet[i as usize] == 0 {
+        self.acts[i as usize].arrived = true;
+        if self.acts[i as usize].unmet == 0 {
             self.apply_recv(i, payload);
             self.complete(i);
             self.run_local();
@@ -184,7 +189,7 @@ impl Executor {
         let Action::Recv { mode, .. } = &self.plan.actions()[i as usize] else {
             unreachable!("recv_index points at receives")
         };
-        if *mode == RecvMode::Copy && self.unmet[i as usize] == 0 {
+        if *mode == RecvMode::Copy && self.acts[i as usize].unmet == 0 {
             self.claimed.push(i);
             Ok(true)
         } else {
@@ -210,7 +215,7 @@ impl Executor {
             return Err(ScheduleError::NotClaimed { step, from });
         };
         let i = self.claimed.swap_remove(k);
-        self.arrived[i as usize] = true;
+        self.acts[i as usize].arrived = true;
         self.complete(i);
         self.run_local();
         Ok(())
@@ -231,11 +236,18 @@ impl Executor {
     /// (empty when every expected chunk has arrived). For the watchdog: these are the ranks a
     /// stuck collective is waiting on.
     pub fn waiting_on(&self) -> Vec<Rank> {
-        let mut missing = self.plan.recv_table().iter().filter(|&(_, &i)| !self.arrived[i as usize]);
-        let Some((&(first, from), _)) = missing.next() else { return Vec::new() };
-        let mut ranks = vec![from];
-        ranks.extend(missing.take_while(|((step, _), _)| *step == first).map(|(&(_, from), _)| from));
+        let mut ranks = Vec::new();
+        self.waiting_on_into(&mut ranks);
         ranks
+    }
+
+    /// [`Executor::waiting_on`] into `ranks` (cleared first), reusing its allocation.
+    pub fn waiting_on_into(&self, ranks: &mut Vec<Rank>) {
+        ranks.clear();
+        let mut missing = self.plan.recv_table().iter().filter(|&(_, &i)| !self.acts[i as usize].arrived);
+        let Some((&(first, from), _)) = missing.next() else { return };
+        ranks.push(from);
+        ranks.extend(missing.take_while(|((step, _), _)| *step == first).map(|(&(_, from), _)| from));
     }
 
     /// Number of chunks kept because they arrived before their step (for tests and metrics).
@@ -270,7 +282,7 @@ impl Executor {
     /// The receive action for `(step, from)`, if a chunk of `len` bytes is acceptable now.
     fn check_recv(&self, from: Rank, step: u32, len: usize) -> Result<u32, ScheduleError> {
         let i = self.plan.recv_index(step, from).ok_or_else(|| self.unexpected(from, step))?;
-        if self.arrived[i] || self.claimed.contains(&(i as u32)) {
+        if self.acts[i].arrived || self.claimed.contains(&(i as u32)) {
             return Err(ScheduleError::DuplicateChunk { step, from });
         }
         let Action::Recv { range, .. } = &self.plan.actions()[i] else { unreachable!("recv_index points at receives") };
@@ -286,7 +298,7 @@ impl Executor {
                 self.ready_sends.insert(i);
             }
             Action::Recv { .. } => {
-                if self.arrived[i as usize] {
+                if self.acts[i as usize].arrived {
                     self.runnable.insert(i);
                 }
             }
@@ -297,13 +309,13 @@ impl Executor {
     }
 
     fn complete(&mut self, i: u32) {
-        debug_assert!(!self.done[i as usize], "action {i} completed twice");
-        self.done[i as usize] = true;
+        debug_assert!(!self.acts[i as usize].done, "action {i} completed twice");
+        self.acts[i as usize].done = true;
         self.remaining -= 1;
         for k in 0..self.plan.successors(i as usize).len() {
             let s = self.plan.successors(i as usize)[k];
-            self.unmet[s as usize] -= 1;
-            if self.unmet[s as usize] == 0 {
+            self.acts[s as usize].unmet -= 1;
+            if self.acts[s as usize].unmet == 0 {
                 self.became_ready(s);
             }
         }

@@ -117,15 +117,6 @@ enum Finish {
     Nothing,
 }
 
-/// Where a running collective is.
-#[derive(Debug)]
-pub(crate) enum Step {
-    /// Waiting for these ranks' parts.
-    Waiting(Vec<Rank>),
-    /// Finished; call [`CollectiveRun::finish`].
-    Done,
-}
-
 /// One rank's run of one collective.
 #[derive(Debug)]
 pub(crate) struct CollectiveRun {
@@ -318,9 +309,15 @@ impl CollectiveRun {
         self.exec.handle_recv(from, step, payload).map_err(|e| e.to_string())
     }
 
-    /// Where the run is; accurate once [`CollectiveRun::poll_send`] has returned `None`.
-    pub(crate) fn step(&self) -> Step {
-        if self.exec.is_done() { Step::Done } else { Step::Waiting(self.exec.waiting_on()) }
+    /// Whether the run is over (call [`CollectiveRun::finish`]); accurate once
+    /// [`CollectiveRun::poll_send`] has returned `None`.
+    pub(crate) fn is_done(&self) -> bool {
+        self.exec.is_done()
+    }
+
+    /// The ranks whose parts it waits for now, into `ranks` (cleared first; empty when done).
+    pub(crate) fn waiting_on(&self, ranks: &mut Vec<Rank>) {
+        self.exec.waiting_on_into(ranks);
     }
 
     /// The next chunk to send; its bytes are [`CollectiveRun::payload`] until the next call.

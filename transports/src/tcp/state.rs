@@ -17,7 +17,7 @@ use cohort_core::seqmap::SeqMap;
 use cohort_core::tensor::Tensor;
 use cohort_core::work::{GroupId, Rank, SeqNo, WorkId};
 
-use super::collective::{CollectiveRun, Step};
+use super::collective::CollectiveRun;
 use super::link::{Corks, LaneRx, LaneTx, Lanes, Outbound, SendMode, Sent};
 use crate::work::{Work, WorkCompleter};
 
@@ -112,6 +112,8 @@ pub(crate) struct DriverState {
     last_finished_seq: SeqNo,
     /// Peers whose connection is gone.
     closed: BTreeMap<Rank, String>,
+    /// The ranks a running collective waits for, as last asked (the allocation is reused).
+    waiting_scratch: Vec<Rank>,
     /// Frames queued for each peer and not yet written.
     unwritten_to: BTreeMap<Rank, usize>,
     /// Their sum, readable without the lock (see [`DriverState::writing_count`]).
@@ -169,6 +171,7 @@ impl DriverState {
             posted_recvs: Vec::new(),
             last_finished_seq: SeqNo(0),
             closed: BTreeMap::new(),
+            waiting_scratch: Vec::new(),
             unwritten_to: BTreeMap::new(),
             unwritten_total: Default::default(),
             deferred_departures: std::collections::BTreeSet::new(),
@@ -436,10 +439,17 @@ impl DriverState {
 
     /// Fail a running collective that waits for a peer whose connection is closed.
     fn fail_if_stranded(&mut self, now: Instant, id: WorkId) {
+        if self.closed.is_empty() {
+            return;
+        }
         let Some(Pending { payload: Payload::Collective { run: Some(run), .. }, .. }) = self.pending.get(&id) else {
             return;
         };
-        let Step::Waiting(ranks) = run.step() else { return };
+        if run.is_done() {
+            return;
+        }
+        let mut ranks = Vec::new();
+        run.waiting_on(&mut ranks);
         if let Some((&p, why)) = ranks.iter().find_map(|r| self.closed.get_key_value(r)) {
             let message = format!("rank {p} is gone before sending its part ({why})");
             self.group.handle_completion(now, id, Completion::Failed { rank: Some(p), message });
@@ -610,27 +620,27 @@ impl DriverState {
                 else {
                     return; // gone, or more to send once frames are written
                 };
-                match run.step() {
-                    Step::Done => {
-                        let Some(p) = self.pending.get_mut(&id) else { return };
-                        let Payload::Collective { run, .. } = &mut p.payload else { return };
-                        let Some(run) = run.take() else { return };
-                        match run.finish() {
-                            Ok(outputs) => {
-                                p.outputs = outputs;
-                                p.data_done = true;
-                                self.maybe_complete(now, id);
-                            }
-                            Err(message) => {
-                                self.group.handle_completion(now, id, Completion::Failed { rank: None, message });
-                            }
-                        }
+                if !run.is_done() {
+                    let mut ranks = std::mem::take(&mut self.waiting_scratch);
+                    run.waiting_on(&mut ranks);
+                    self.group.handle_waiting_on(now, id, &ranks);
+                    self.waiting_scratch = ranks;
+                    if !self.starting {
+                        self.fail_if_stranded(now, id);
                     }
-                    Step::Waiting(ranks) => {
-                        self.group.handle_waiting_on(now, id, ranks);
-                        if !self.starting {
-                            self.fail_if_stranded(now, id);
-                        }
+                    return;
+                }
+                let Some(p) = self.pending.get_mut(&id) else { return };
+                let Payload::Collective { run, .. } = &mut p.payload else { return };
+                let Some(run) = run.take() else { return };
+                match run.finish() {
+                    Ok(outputs) => {
+                        p.outputs = outputs;
+                        p.data_done = true;
+                        self.maybe_complete(now, id);
+                    }
+                    Err(message) => {
+                        self.group.handle_completion(now, id, Completion::Failed { rank: None, message });
                     }
                 }
             }
