@@ -115,8 +115,9 @@ impl fmt::Display for RecordId {
 pub enum ProfilingName<'a> {
     /// The name itself.
     Text(&'a str),
-    /// A name interned earlier by the same recorder. An id it never gave records as
-    /// `(unknown profiling name)`.
+    /// A name interned earlier by the same recorder. An id beyond those it gave records as
+    /// `(unknown profiling name)`; another recorder's id names whatever this one interned
+    /// under the same number.
     Interned(NameId),
 }
 

@@ -137,7 +137,7 @@ fn interned_names_record_as_their_text_and_unknown_ids_say_so() {
     assert_eq!(fr.intern_name("gloo:broadcast"), id, "the same text keeps its id");
     fr.record(ms(1), &RecordRequest { profiling_name: ProfilingName::Interned(id), ..allreduce(1) }).unwrap();
     fr.record(ms(2), &allreduce(2)).unwrap();
-    // An id this recorder never gave (another recorder's) must not panic or borrow a name.
+    // An id beyond those this recorder gave (another recorder's) must not panic.
     let mut other = recorder(4);
     for name in ["a", "b", "c", "d", "e"] {
         other.intern_name(name);
