@@ -86,7 +86,7 @@ fuzz_target!(|case: Case| {
             }
             Input::Waiting(i, r) => {
                 if let Some(id) = pick(i) {
-                    g.handle_waiting_on(now, id, vec![rank(r)])
+                    g.handle_waiting_on(now, id, &[rank(r)])
                 }
             }
             Input::Succeed(i) => {
