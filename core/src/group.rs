@@ -902,7 +902,6 @@ impl GroupState {
     pub fn handle_waiting_on(&mut self, _now: Instant, id: WorkId, ranks: &[Rank]) {
         if let Some(w) = self.works.get_mut(&id) {
             match &mut w.waiting_on {
-                Some(was) if was.as_slice() == ranks => {}
                 Some(was) => {
                     was.clear();
                     was.extend_from_slice(ranks);

@@ -313,6 +313,11 @@ impl Work {
     /// Run the work's progress function until the work ends, the time it grants is spent or
     /// it says to stop; true if the time was spent.
     fn busy_poll(&self, progress: &ProgressFn) -> bool {
+        if self.ended() {
+            // Already over (all but the first of a batch of works, usually): no poller
+            // bookkeeping, no clock.
+            return false;
+        }
         let budget = progress.begin();
         let start = std::time::Instant::now();
         let mut spent = true;
@@ -341,14 +346,6 @@ impl Work {
     /// Block until the work ends; `Ok` if it succeeded.
     pub fn wait(&self) -> Result<(), WorkError> {
         self.flush();
-        {
-            // Already over (the common case for all but the first of a batch of works): no
-            // polling, no clock, no bookkeeping of pollers.
-            let slot = self.shared.lock();
-            if slot.summary.is_some() || slot.dropped {
-                return self.outcome(&slot);
-            }
-        }
         let progress = self.shared.progress.get();
         let polled = match progress {
             Some((progress, true)) => self.busy_poll(progress),

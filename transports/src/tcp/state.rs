@@ -439,17 +439,16 @@ impl DriverState {
 
     /// Fail a running collective that waits for a peer whose connection is closed.
     fn fail_if_stranded(&mut self, now: Instant, id: WorkId) {
-        if self.closed.is_empty() {
-            return;
-        }
         let Some(Pending { payload: Payload::Collective { run: Some(run), .. }, .. }) = self.pending.get(&id) else {
             return;
         };
-        if run.is_done() {
-            return;
-        }
         let mut ranks = Vec::new();
         run.waiting_on(&mut ranks);
+        self.fail_if_waiting_on_closed(now, id, &ranks);
+    }
+
+    /// Fail work `id` if one of `ranks`, whose parts it waits for, has its connection closed.
+    fn fail_if_waiting_on_closed(&mut self, now: Instant, id: WorkId, ranks: &[Rank]) {
         if let Some((&p, why)) = ranks.iter().find_map(|r| self.closed.get_key_value(r)) {
             let message = format!("rank {p} is gone before sending its part ({why})");
             self.group.handle_completion(now, id, Completion::Failed { rank: Some(p), message });
@@ -624,10 +623,10 @@ impl DriverState {
                     let mut ranks = std::mem::take(&mut self.waiting_scratch);
                     run.waiting_on(&mut ranks);
                     self.group.handle_waiting_on(now, id, &ranks);
-                    self.waiting_scratch = ranks;
                     if !self.starting {
-                        self.fail_if_stranded(now, id);
+                        self.fail_if_waiting_on_closed(now, id, &ranks);
                     }
+                    self.waiting_scratch = ranks;
                     return;
                 }
                 let Some(p) = self.pending.get_mut(&id) else { return };
