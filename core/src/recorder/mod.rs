@@ -297,12 +297,12 @@ struct Slot {
 
 impl FlightRecorder {
     /// A recorder keeping `config.capacity` entries (0: off), whose group epoch is
-    /// `wall_epoch_ns` nanoseconds after the Unix epoch. Allocates nothing up front.
+    /// `wall_epoch_ns` nanoseconds after the Unix epoch. Reserves the ring's slots up front.
     pub fn new(config: RecorderConfig, wall_epoch_ns: u64) -> Self {
         FlightRecorder {
+            slots: Vec::with_capacity(config.capacity),
             config,
             wall_epoch_ns,
-            slots: Vec::new(),
             recorded: 0,
             epoch: 0,
             epoch_start: 0,
