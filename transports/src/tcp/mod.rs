@@ -237,8 +237,9 @@ impl Inner {
 
     /// Read what has arrived on every fast connection and feed it, from a thread waiting for a
     /// work; whether anything was delivered, or `None` if this rank's own frames wait for the
-    /// writer tasks: a polling thread would only keep them from the CPU (on a host with as many
-    /// busy threads as cores, for a whole time slice), so it had better sleep.
+    /// writer tasks, or a reader task holds frames it read and has not delivered yet: a polling
+    /// thread would only keep them from the CPU (on a host with as many busy threads as cores,
+    /// for a whole time slice), so it had better yield.
     ///
     /// On a wait's `first` look, with one peer, it reads the connection that carries small
     /// frames without asking `poll(2)` which have bytes: in a run of small works what it waits
@@ -254,6 +255,7 @@ impl Inner {
         }
         let mut acc = Deferred::default();
         let mut delivered = false;
+        let mut task_draining = false;
         {
             let readers = self.readers.read().unwrap_or_else(|p| p.into_inner());
             let mut shared = readers.iter().filter(|r| r.shared());
@@ -267,9 +269,13 @@ impl Inner {
                     }
                 }
             }
+            if !delivered {
+                task_draining = readers.iter().any(|r| r.task_draining());
+            }
         }
         self.finish_inputs(acc);
-        Some(delivered)
+        // A reader task holds what arrived: let it have the CPU rather than poll an empty socket.
+        if task_draining { None } else { Some(delivered) }
     }
 
     fn polls(&self) -> MutexGuard<'_, Polling> {
