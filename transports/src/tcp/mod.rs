@@ -282,18 +282,21 @@ impl Inner {
         self.polling.lock().unwrap_or_else(|p| p.into_inner())
     }
 
-    /// How long a reader task whose epoll set fired should leave it unarmed: while threads
-    /// poll, and for [`socket::REARM_GRACE`] after the last finished its work; `None`: re-arm.
-    pub(crate) fn rearm_in(&self) -> Option<std::time::Duration> {
+    /// Whether a reader task whose epoll set fired should leave it unarmed: while threads
+    /// poll, and for [`socket::REARM_GRACE`] after the last finished its work.
+    pub(crate) fn rearm_in(&self) -> socket::Rearm {
         let p = self.polls();
         if p.relied_on() {
-            return None;
+            return socket::Rearm::Now;
         }
         if p.active > 0 {
-            return Some(socket::REARM_GRACE);
+            return socket::Rearm::WhilePolling;
         }
-        let since = p.last_finished?.elapsed();
-        socket::REARM_GRACE.checked_sub(since).filter(|d| !d.is_zero())
+        let Some(last) = p.last_finished else { return socket::Rearm::Now };
+        match socket::REARM_GRACE.checked_sub(last.elapsed()).filter(|d| !d.is_zero()) {
+            Some(left) => socket::Rearm::After(left),
+            None => socket::Rearm::Now,
+        }
     }
 
     /// Let every reader task hear of the next bytes again (someone now relies on them).
