@@ -266,6 +266,8 @@ impl Gate {
 pub(crate) struct Corks {
     /// Submits since someone last waited for a work (see [`Corks::in_burst`]).
     submits: std::sync::atomic::AtomicU32,
+    /// Submits between the last two waits that had any in between.
+    last_burst: std::sync::atomic::AtomicU32,
     /// Gates with bytes held back.
     held: Mutex<Vec<Arc<Gate>>>,
     /// `held` is not empty (read without its lock by every flush).
@@ -294,15 +296,25 @@ impl Corks {
         }
     }
 
-    /// A user submits a work: whether it follows another submit with no wait since (then its
-    /// frames are held back).
+    /// A user submits a work: whether its frames are held back. They are when it follows
+    /// another submit with no wait since, and when the submits before the last wait were a
+    /// burst too: a thread that submits works in bursts then sends each burst in one write,
+    /// not two (16 works in flight: one `writev` per burst instead of two, each of which, on
+    /// loopback, also runs the peer's side of TCP). A thread that submits one work and waits
+    /// writes at once. A lone work after a run of bursts waits for its wait, or for
+    /// [`CORK_TIMEOUT`] if nobody waits; its wait then ends the bursts.
     pub(crate) fn in_burst(&self) -> bool {
-        self.submits.fetch_add(1, std::sync::atomic::Ordering::Relaxed) > 0
+        use std::sync::atomic::Ordering::Relaxed;
+        self.submits.fetch_add(1, Relaxed) > 0 || self.last_burst.load(Relaxed) > 1
     }
 
     /// Someone waits for or asks about a work: write every held-back frame of the group now.
     pub(crate) fn flush(&self) {
-        self.submits.store(0, std::sync::atomic::Ordering::Relaxed);
+        use std::sync::atomic::Ordering::Relaxed;
+        let submits = self.submits.swap(0, Relaxed);
+        if submits > 0 {
+            self.last_burst.store(submits, Relaxed);
+        }
         self.write_held();
     }
 
@@ -1191,6 +1203,20 @@ mod tests {
         corks.flush();
         drop(lane_tx);
         expect_in_order(rx, writer, &frames).await;
+    }
+
+    #[test]
+    fn a_burst_s_first_submit_is_held_back_only_after_a_burst() {
+        let corks = Corks::default();
+        assert!(!corks.in_burst(), "a first submit writes at once");
+        corks.flush();
+        assert!(!corks.in_burst(), "submit, wait, submit: at once");
+        assert!(corks.in_burst(), "a second submit with no wait since is held back");
+        corks.flush();
+        corks.flush();
+        assert!(corks.in_burst(), "the wait before followed a burst: the next burst's first is held");
+        corks.flush();
+        assert!(!corks.in_burst(), "the wait before followed one submit: at once again");
     }
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
