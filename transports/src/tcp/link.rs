@@ -259,9 +259,10 @@ impl Gate {
 /// with no wait in between (a burst; [`Corks::in_burst`]) are held back per connection, and go
 /// out together when a thread waits for (or asks about) a work of the group, when a later frame
 /// on the connection cannot be held back, or, if none of that happens, once the watcher task's
-/// [`CORK_TIMEOUT`] has passed. A submit right after a wait (the common submit-then-wait)
-/// writes at once: holding its frame back would only move the write into the wait, and arming
-/// the watcher for it would cost a wake-up.
+/// [`CORK_TIMEOUT`] has passed. A submit right after a wait writes at once when the submits
+/// before that wait were one (the common submit-then-wait: holding its frame back would only
+/// move the write into the wait, and arming the watcher for it would cost a wake-up), and is
+/// held back too when they were a burst (see [`Corks::in_burst`]).
 #[derive(Debug, Default)]
 pub(crate) struct Corks {
     /// Submits since someone last waited for a work (see [`Corks::in_burst`]).
