@@ -48,9 +48,10 @@ pub(crate) const REARM_GRACE: Duration = Duration::from_millis(1);
 /// the iterations had a reader task's look in them, taking 3-4 times the median; with looks
 /// every 20 ms instead of every millisecond, the mean iteration took 0.94 of the time (8
 /// alternations); with this backoff, 16 zero-element works in flight took 0.86 (means, 8
-/// alternations). The price: a work submitted right after a run of polled ones and then not waited for has its
-/// frames read up to this much later (a work submitted once nobody polled for longer than
-/// [`REARM_GRACE`] finds the set armed).
+/// alternations). The price: once polling stops, the set may stay unarmed until the task's
+/// next look, so frames that nobody polls for then (a work submitted right after a run of
+/// polled ones and not waited for, a heartbeat) are read up to this much plus [`REARM_GRACE`]
+/// after the last polling thread finished, where it was 1-2 ms.
 pub(crate) const REARM_BACKOFF_MAX: Duration = Duration::from_millis(8);
 
 /// What a reader task with an unarmed epoll set does next ([`Inner::rearm_in`]).
