@@ -267,8 +267,8 @@ impl Gate {
 pub(crate) struct Corks {
     /// Submits since someone last waited for a work (see [`Corks::in_burst`]).
     submits: std::sync::atomic::AtomicU32,
-    /// Submits between the last two waits that had any in between.
-    last_burst: std::sync::atomic::AtomicU32,
+    /// The last wait that followed any submits followed a burst (more than one).
+    after_burst: std::sync::atomic::AtomicBool,
     /// Gates with bytes held back.
     held: Mutex<Vec<Arc<Gate>>>,
     /// `held` is not empty (read without its lock by every flush).
@@ -306,7 +306,7 @@ impl Corks {
     /// [`CORK_TIMEOUT`] if nobody waits; its wait then ends the bursts.
     pub(crate) fn in_burst(&self) -> bool {
         use std::sync::atomic::Ordering::Relaxed;
-        self.submits.fetch_add(1, Relaxed) > 0 || self.last_burst.load(Relaxed) > 1
+        self.submits.fetch_add(1, Relaxed) > 0 || self.after_burst.load(Relaxed)
     }
 
     /// Someone waits for or asks about a work: write every held-back frame of the group now.
@@ -314,7 +314,7 @@ impl Corks {
         use std::sync::atomic::Ordering::Relaxed;
         let submits = self.submits.swap(0, Relaxed);
         if submits > 0 {
-            self.last_burst.store(submits, Relaxed);
+            self.after_burst.store(submits > 1, Relaxed);
         }
         self.write_held();
     }
