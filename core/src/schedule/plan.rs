@@ -89,6 +89,10 @@ pub struct Plan {
     successors: Vec<Vec<u32>>,
     /// `(step, from)` → index of the receive action.
     recvs: BTreeMap<(u32, Rank), u32>,
+    /// Bytes of every receive, summed.
+    recv_bytes: usize,
+    /// Bytes of the largest receive.
+    largest_recv: usize,
 }
 
 impl Plan {
@@ -271,6 +275,17 @@ impl Plan {
         self.recvs.range((step, Rank(0))..=(step, Rank(u32::MAX))).map(|(&(_, from), _)| from).collect()
     }
 
+    /// Bytes this rank receives from its peers over the whole collective (every receive's
+    /// length, summed). A driver can size its receive buffers from it before any arrives.
+    pub fn recv_bytes(&self) -> usize {
+        self.recv_bytes
+    }
+
+    /// Bytes of the largest single chunk this rank receives (0 when it receives nothing).
+    pub fn largest_recv(&self) -> usize {
+        self.largest_recv
+    }
+
     /// Receive actions as `((step, from), action index)`, ordered by step then sender.
     pub(super) fn recv_table(&self) -> &BTreeMap<(u32, Rank), u32> {
         &self.recvs
@@ -423,10 +438,15 @@ impl Builder {
 
     fn finish(self, op: ScheduleOp, rank: Rank, world_size: u32, elem_size: usize, algorithm: Algorithm) -> Plan {
         let mut recvs = BTreeMap::new();
+        let (mut recv_bytes, mut largest_recv) = (0usize, 0usize);
         for (i, a) in self.actions.iter().enumerate() {
-            if let Action::Recv { step, from, .. } = a {
+            if let Action::Recv { step, from, range, .. } = a {
                 let fresh = recvs.insert((*step, *from), i as u32).is_none();
                 debug_assert!(fresh, "plan receives ({step}, {from}) twice");
+                // Ranges lie inside buffers whose lengths were checked not to overflow, and a
+                // plan receives each byte of them a bounded number of times.
+                recv_bytes = recv_bytes.saturating_add(range.len());
+                largest_recv = largest_recv.max(range.len());
             }
         }
         let mut successors = vec![Vec::new(); self.actions.len()];
@@ -447,6 +467,8 @@ impl Builder {
             deps: self.deps,
             successors,
             recvs,
+            recv_bytes,
+            largest_recv,
         }
     }
 }
@@ -563,5 +585,27 @@ mod tests {
         assert_eq!(p.senders_at(1), vec![]);
         assert!(p.recv_index(0, Rank(3)).is_some());
         assert!(p.recv_index(0, Rank(2)).is_none());
+    }
+
+    #[test]
+    fn recv_bytes_and_largest_recv_sum_and_bound_the_receives() {
+        // A 2-rank ring allreduce of 64 MiB of f32 receives the other half twice (reduce-scatter,
+        // then allgather) in chunks of at most the default chunk size.
+        let count = 16 << 20;
+        let p = plan(ScheduleOp::Allreduce { count }, 0, 2);
+        assert_eq!(p.recv_bytes(), count * 4);
+        assert_eq!(p.largest_recv(), crate::schedule::DEFAULT_CHUNK_BYTES);
+        let by_hand: usize = p
+            .actions()
+            .iter()
+            .filter_map(|a| if let Action::Recv { range, .. } = a { Some(range.len()) } else { None })
+            .sum();
+        assert_eq!(p.recv_bytes(), by_hand);
+        // The root of a gather receives every other rank's part; a sender receives nothing.
+        let g = ScheduleOp::Gather { counts: vec![3, 5, 7], root: Rank(0) };
+        let root = plan(g.clone(), 0, 3);
+        assert_eq!((root.recv_bytes(), root.largest_recv()), ((5 + 7) * 4, 7 * 4));
+        let leaf = plan(g, 2, 3);
+        assert_eq!((leaf.recv_bytes(), leaf.largest_recv()), (0, 0));
     }
 }
