@@ -304,6 +304,11 @@ impl CollectiveRun {
         self.seq
     }
 
+    /// This rank's plan for the collective.
+    pub(crate) fn plan(&self) -> &cohort_core::schedule::Plan {
+        self.exec.plan()
+    }
+
     /// A chunk arrived. Drain [`CollectiveRun::poll_send`] next, then ask [`CollectiveRun::step`].
     pub(crate) fn handle_recv(&mut self, from: Rank, step: u32, payload: &[u8]) -> Result<(), String> {
         self.exec.handle_recv(from, step, payload).map_err(|e| e.to_string())

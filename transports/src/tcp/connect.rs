@@ -213,7 +213,8 @@ impl ProcessGroup {
                     inner.input(|st, fx| st.handle_written(now(), to, ids, outcome, fx));
                 }
             });
-            let state = DriverState::new(group, writers, lazy, on_written);
+            let pool = link::BufferPool::with_limit(opts.buffer_pool_bytes);
+            let state = DriverState::new(group, writers, lazy, on_written, pool);
             Inner {
                 rank: me,
                 world_size,

@@ -14,24 +14,67 @@ use tokio::sync::mpsc;
 /// ones go out as header then payload, without a copy.
 const COALESCE_LIMIT: usize = 64 * 1024;
 
-/// Large frame buffers for reuse: receiving or sending a chunk of a big collective would
-/// otherwise map fresh pages for every chunk (the allocator hands large blocks back to the
-/// kernel), and page faults were the largest cost of a 64 MiB allreduce. Buffers below
-/// [`BufferPool::MIN`] are not kept; at most [`BufferPool::KEEP`] are.
-#[derive(Clone, Debug, Default)]
-pub(crate) struct BufferPool(std::sync::Arc<std::sync::Mutex<Vec<Vec<u8>>>>);
+/// Large frame buffers for reuse, shared by a group's readers (payloads of large frames) and
+/// senders (the part of a chunk the socket did not take, queued for the writer).
+///
+/// Without it a rank would map fresh pages for chunks (the allocator hands large blocks back
+/// to the kernel), and page faults were the largest cost of a 64 MiB allreduce. Keeping what
+/// is given back is not enough either: the buffers a rank needs at once peak when a peer that
+/// started a collective first sends its part before this rank has started it (each chunk
+/// waits in a buffer until then), and every new peak mapped fresh pages inside a timed
+/// collective. On the 2-core VM that backs fresh guest memory slowly, one such iteration of a
+/// 64 MiB allreduce took 60-110 ms instead of 30, spent zeroing new pages. So a collective that
+/// receives large chunks first [`reserves`](BufferPool::reserve) buffers for what it
+/// receives, made and touched at once, and the pool keeps what is given back, up to
+/// [`TcpOptions::buffer_pool_bytes`](super::TcpOptions::buffer_pool_bytes) in all (kept and out
+/// in frames), which it never gives back to the allocator.
+///
+/// Buffers below [`BufferPool::MIN`] are not kept.
+#[derive(Clone, Debug)]
+pub(crate) struct BufferPool(Arc<Mutex<PoolState>>);
+
+#[derive(Debug)]
+struct PoolState {
+    /// Buffers given back; the one given back last at the end.
+    kept: Vec<Vec<u8>>,
+    /// Capacity of `kept`, summed.
+    kept_bytes: usize,
+    /// Capacity of the buffers handed out and not given back yet (made here or kept).
+    out_bytes: usize,
+    /// `kept_bytes + out_bytes` stays at most this, but while more are out at once.
+    limit: usize,
+    /// Capacity of a new buffer: at least the largest chunk reserved for, so that every kept
+    /// buffer fits every chunk.
+    size: usize,
+}
+
+impl Default for BufferPool {
+    fn default() -> Self {
+        BufferPool::with_limit(BufferPool::DEFAULT_LIMIT)
+    }
+}
 
 impl BufferPool {
     /// Smallest buffer worth keeping.
     pub(crate) const MIN: usize = 64 * 1024;
-    /// Most buffers kept.
-    pub(crate) const KEEP: usize = 32;
+    /// Bytes a pool holds at most unless told otherwise.
+    pub(crate) const DEFAULT_LIMIT: usize = 64 << 20;
+
+    /// A pool that holds at most `limit` bytes of buffers (0: it keeps nothing).
+    pub(crate) fn with_limit(limit: usize) -> Self {
+        let state = PoolState { kept: Vec::new(), kept_bytes: 0, out_bytes: 0, limit, size: 0 };
+        BufferPool(Arc::new(Mutex::new(state)))
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, PoolState> {
+        self.0.lock().unwrap_or_else(|p| p.into_inner())
+    }
 
     /// A buffer of `len` bytes, for a read to fill: a kept one when it is large enough (its old
     /// bytes are left in place, not cleared: the caller overwrites every one before using it),
     /// else a fresh zeroed one.
     pub(crate) fn take(&self, len: usize) -> Result<Vec<u8>, std::collections::TryReserveError> {
-        let mut v = self.kept(len);
+        let mut v = self.lend(len);
         if v.len() >= len {
             v.truncate(len);
             return Ok(v);
@@ -41,35 +84,95 @@ impl BufferPool {
         Ok(v)
     }
 
-    /// A kept buffer with room for `len` bytes (its contents as they were), else a new empty one:
-    /// the one given back last, whose bytes are likeliest still in cache (a 64 MiB allreduce,
-    /// 2 ranks: 0.95–0.99 of the time with the first kept one, two alternated runs).
-    fn kept(&self, len: usize) -> Vec<u8> {
+    /// A buffer with room for `len` bytes, its contents as they were: the kept one given back
+    /// last that has the room (likeliest still in cache: a 64 MiB allreduce, 2 ranks, took
+    /// 0.95–0.99 of the time with the first kept one, two alternated runs), else a new one of
+    /// at least the pool's buffer size. Below [`BufferPool::MIN`], a new empty one that the
+    /// pool does not count.
+    fn lend(&self, len: usize) -> Vec<u8> {
         if len < Self::MIN {
             return Vec::new();
         }
-        let mut kept = self.0.lock().unwrap_or_else(|p| p.into_inner());
-        match kept.iter().rposition(|b| b.capacity() >= len) {
-            Some(i) => kept.swap_remove(i),
-            None => Vec::new(),
+        let mut st = self.lock();
+        if let Some(i) = st.kept.iter().rposition(|b| b.capacity() >= len) {
+            let v = st.kept.swap_remove(i);
+            st.kept_bytes -= v.capacity();
+            st.out_bytes += v.capacity();
+            return v;
         }
-    }
-
-    /// An empty buffer, with room for `len` bytes when a kept one has it.
-    fn empty(&self, len: usize) -> Vec<u8> {
-        let mut v = self.kept(len);
-        v.clear();
+        let size = len.max(st.size);
+        drop(st);
+        let mut v = Vec::new();
+        if v.try_reserve_exact(size).is_ok() {
+            self.lock().out_bytes += v.capacity();
+        }
         v
     }
 
-    /// Keep `buf` for a later [`BufferPool::take`], if it is large and there is room.
+    /// Keep `buf` for a later [`BufferPool::take`], if it is large and the pool's limit allows.
     pub(crate) fn give(&self, buf: Vec<u8>) {
-        if buf.capacity() >= Self::MIN {
-            let mut kept = self.0.lock().unwrap_or_else(|p| p.into_inner());
-            if kept.len() < Self::KEEP {
-                kept.push(buf);
-            }
+        let cap = buf.capacity();
+        if cap < Self::MIN {
+            return;
         }
+        let mut st = self.lock();
+        st.out_bytes = st.out_bytes.saturating_sub(cap);
+        if st.kept_bytes + st.out_bytes + cap <= st.limit {
+            st.kept.push(buf);
+            st.kept_bytes += cap;
+        } else {
+            drop(st);
+            drop(buf);
+        }
+    }
+
+    /// Before a collective that receives `total` bytes in chunks of up to `chunk` bytes: make
+    /// sure the pool holds buffers of at least `chunk` bytes for all of it, up to its limit,
+    /// making the missing ones now and writing every page of them, so that no chunk of this
+    /// collective or of later ones of its size waits for the kernel to map memory. Does
+    /// nothing for chunks below [`BufferPool::MIN`] (they are not pooled), and nothing once
+    /// the pool holds that much; a failed allocation just stops it (the buffers are made on
+    /// demand then, as before).
+    pub(crate) fn reserve(&self, total: usize, chunk: usize) {
+        if chunk < Self::MIN {
+            return;
+        }
+        let (size, missing) = {
+            let mut st = self.lock();
+            if chunk > st.limit {
+                return;
+            }
+            st.size = st.size.max(chunk);
+            let held = st.kept_bytes + st.out_bytes;
+            (st.size, total.min(st.limit).saturating_sub(held).div_ceil(st.size))
+        };
+        if missing == 0 {
+            return;
+        }
+        let mut made = Vec::with_capacity(missing);
+        for _ in 0..missing {
+            let mut v = Vec::new();
+            if v.try_reserve_exact(size).is_err() {
+                break;
+            }
+            // Written, not just allocated: a zeroed allocation may be fresh pages, mapped on
+            // first touch, which is the cost this avoids.
+            v.resize(size, 0);
+            made.push(v);
+        }
+        let mut st = self.lock();
+        let room = st.limit.saturating_sub(st.kept_bytes + st.out_bytes);
+        made.truncate(room / size);
+        st.kept_bytes += made.iter().map(Vec::capacity).sum::<usize>();
+        // Cold: handed out after the buffers given back, which are likelier in cache.
+        st.kept.splice(0..0, made);
+    }
+
+    /// Bytes of buffers the pool holds: kept, and out in frames.
+    #[cfg(test)]
+    pub(crate) fn held(&self) -> usize {
+        let st = self.lock();
+        st.kept_bytes + st.out_bytes
     }
 
     /// `bytes` copied into a buffer that returns to this pool once written and dropped.
@@ -77,8 +180,10 @@ impl BufferPool {
         if bytes.len() < Self::MIN {
             return Bytes::copy_from_slice(bytes);
         }
-        let mut v = self.empty(bytes.len());
+        let mut v = self.lend(bytes.len());
+        v.clear();
         if v.try_reserve_exact(bytes.len()).is_err() {
+            self.give(v);
             return Bytes::copy_from_slice(bytes);
         }
         v.extend_from_slice(bytes);
@@ -941,6 +1046,14 @@ mod tests {
         assert_eq!(counts, vec![1, 0]);
     }
 
+    impl BufferPool {
+        /// (buffers kept, bytes kept, bytes out)
+        fn counts(&self) -> (usize, usize, usize) {
+            let st = self.lock();
+            (st.kept.len(), st.kept_bytes, st.out_bytes)
+        }
+    }
+
     #[test]
     fn large_buffers_are_reused_and_small_ones_are_not_kept() {
         let pool = BufferPool::default();
@@ -954,21 +1067,67 @@ mod tests {
         let c = pool.take(BufferPool::MIN).unwrap();
         assert_eq!(c.as_ptr(), ptr, "the kept buffer comes back");
         assert_eq!((c.len(), c[0]), (BufferPool::MIN, 7), "as it was: a read overwrites it");
+        assert_eq!(pool.counts(), (0, 0, BufferPool::MIN), "it is out");
         pool.give(b);
-        assert!(pool.0.lock().unwrap().is_empty(), "small buffers are not kept");
+        assert_eq!(pool.counts().0, 0, "small buffers are not kept");
+        pool.give(c);
+        assert_eq!(pool.counts(), (1, BufferPool::MIN, 0));
         // A pooled Bytes returns its buffer when the last handle drops.
         let payload = vec![3u8; BufferPool::MIN];
         let bytes = pool.bytes(&payload);
         assert_eq!(&bytes[..], &payload[..]);
         let clone = bytes.clone();
         drop(bytes);
-        assert!(pool.0.lock().unwrap().is_empty());
+        assert_eq!(pool.counts(), (0, 0, BufferPool::MIN));
         drop(clone);
-        assert_eq!(pool.0.lock().unwrap().len(), 1);
-        for _ in 0..BufferPool::KEEP + 5 {
-            pool.give(vec![0; BufferPool::MIN]);
+        assert_eq!(pool.counts(), (1, BufferPool::MIN, 0));
+    }
+
+    #[test]
+    fn a_pool_holds_at_most_its_limit_kept_and_out_together() {
+        let pool = BufferPool::with_limit(3 * BufferPool::MIN);
+        let out: Vec<Vec<u8>> = (0..5).map(|_| pool.take(BufferPool::MIN).unwrap()).collect();
+        assert_eq!(pool.counts(), (0, 0, 5 * BufferPool::MIN), "a peak above the limit is served");
+        for b in out {
+            pool.give(b);
         }
-        assert_eq!(pool.0.lock().unwrap().len(), BufferPool::KEEP);
+        assert_eq!(pool.counts(), (3, 3 * BufferPool::MIN, 0), "and shrinks back to the limit");
+        let none = BufferPool::with_limit(0);
+        none.give(none.take(BufferPool::MIN).unwrap());
+        assert_eq!(none.counts(), (0, 0, 0), "a limit of 0 keeps nothing");
+    }
+
+    #[test]
+    fn reserve_makes_buffers_for_a_collective_up_to_the_limit_once() {
+        let chunk = 2 * BufferPool::MIN;
+        let pool = BufferPool::with_limit(10 * chunk);
+        pool.reserve(4 * chunk + 1, chunk);
+        assert_eq!(pool.counts(), (5, 5 * chunk, 0), "rounded up to whole buffers");
+        {
+            let st = pool.lock();
+            assert!(st.kept.iter().all(|b| b.capacity() >= chunk && b.len() == chunk), "written, not just allocated");
+        }
+        pool.reserve(4 * chunk, chunk);
+        assert_eq!(pool.counts().0, 5, "nothing more once it holds that much");
+        // Buffers out count as held.
+        let taken: Vec<Vec<u8>> = (0..5).map(|_| pool.take(chunk).unwrap()).collect();
+        pool.reserve(6 * chunk, chunk);
+        assert_eq!(pool.counts(), (1, chunk, 5 * chunk));
+        drop(taken); // lost, not given back: the pool still counts them out
+        pool.reserve(100 * chunk, chunk);
+        assert_eq!(pool.counts(), (5, 5 * chunk, 5 * chunk), "never past the limit");
+        // New buffers are made at the reserved size, so any kept one fits any chunk.
+        let small = BufferPool::with_limit(10 * chunk);
+        small.reserve(chunk, chunk);
+        let b = small.take(chunk).unwrap();
+        let c = small.take(BufferPool::MIN).unwrap();
+        assert!(c.capacity() >= chunk, "a fresh buffer has the reserved size");
+        drop((b, c));
+        // Nothing for small chunks or chunks past the limit.
+        let p = BufferPool::with_limit(chunk);
+        p.reserve(10 * chunk, BufferPool::MIN - 1);
+        p.reserve(10 * chunk, 2 * chunk);
+        assert_eq!(p.counts(), (0, 0, 0));
     }
 
     fn data(seq: u64, len: usize, fill: u8) -> (FrameHeader, Vec<u8>) {

@@ -752,6 +752,60 @@ mod tests {
         assert_eq!(off.budget, Duration::ZERO, "polling that is off stays off");
     }
 
+    /// A collective that receives large chunks finds buffers for all of it held by the pool
+    /// the moment it is submitted (not made one by one as its chunks arrive, mid-collective);
+    /// a small one reserves nothing, and the group's limit bounds what is reserved.
+    #[test]
+    fn a_large_collective_reserves_its_receive_buffers_when_it_starts() {
+        use std::sync::Arc;
+
+        use cohort_core::{ReduceOp, Tensor};
+
+        use crate::{MemoryStore, ProcessGroup, Store, TcpOptions, TokioNet};
+
+        let runtime = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().unwrap();
+        for (limit, want) in [(64 << 20, 4 << 20), (3 << 20, 3 << 20)] {
+            let opts =
+                TcpOptions { buffer_pool_bytes: limit, timeout: Duration::from_secs(20), ..TcpOptions::default() };
+            let store: Arc<dyn Store> = Arc::new(MemoryStore::new());
+            let pgs: Vec<ProcessGroup> = runtime.block_on(async {
+                let joins: Vec<_> = (0..2u32)
+                    .map(|r| {
+                        let (store, opts) = (store.clone(), opts.clone());
+                        tokio::spawn(async move { ProcessGroup::connect(TokioNet, store, r, 2, opts).await })
+                    })
+                    .collect();
+                let mut out = Vec::new();
+                for j in joins {
+                    out.push(j.await.unwrap().expect("connect"));
+                }
+                out
+            });
+            let threads: Vec<_> = pgs
+                .into_iter()
+                .map(|pg| {
+                    std::thread::spawn(move || {
+                        let held = || pg.inner.lock().pool.held();
+                        let small = pg.allreduce(vec![Tensor::from_slice(&[1.0f32; 16])], ReduceOp::Sum).unwrap();
+                        small.wait().unwrap();
+                        assert_eq!(held(), 0, "a small collective reserves nothing");
+                        // 4 MiB of f32 over 2 ranks: this rank receives the other half twice.
+                        let big = vec![pg.rank().0 as f32; 1 << 20];
+                        let work = pg.allreduce(vec![Tensor::from_slice(&big)], ReduceOp::Sum).unwrap();
+                        assert!(held() >= want, "held {} at submit, want {want}", held());
+                        assert!(held() <= limit, "never past the limit");
+                        let out = work.result().unwrap();
+                        assert!(out[0].to_f64s().iter().all(|&x| x == 1.0));
+                        pg.shutdown();
+                    })
+                })
+                .collect();
+            for t in threads {
+                t.join().expect("a rank thread");
+            }
+        }
+    }
+
     #[test]
     fn the_readers_are_relied_on_when_someone_sleeps_and_nobody_polls() {
         let mut p = Polling::new(Duration::from_micros(50));

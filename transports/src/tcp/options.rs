@@ -44,6 +44,14 @@ pub struct TcpOptions {
     pub lazy_connect: bool,
     /// Works the data plane may run at once. Default 64.
     pub max_in_flight: usize,
+    /// Bytes of large-chunk buffers (receive buffers, and copies of chunks queued for a
+    /// writer) the group keeps for reuse, counting those in use. A collective that receives
+    /// large chunks reserves buffers for everything it receives, up to this, when it starts:
+    /// made and written at once, and then kept, so that a later collective of its size maps no
+    /// new memory (on the 2-core VM, new pages during a 64 MiB allreduce made one iteration in
+    /// ten or so take 2-3 times as long). The memory is held until the group ends.
+    /// `COHORT_BUFFER_POOL_MB`, default 64 (0 keeps nothing: every chunk gets a new buffer).
+    pub buffer_pool_bytes: usize,
     /// How long a thread waiting for a work of at most [`BUSY_POLL_MAX_BYTES`] reads the
     /// sockets itself before it sleeps: the frame that finishes the work then wakes nobody.
     /// Zero turns it off (every wait sleeps at once). `COHORT_BUSY_POLL_US`; default 50, but
@@ -84,6 +92,7 @@ impl Default for TcpOptions {
             connections_per_peer: 1,
             lazy_connect: false,
             max_in_flight: 64,
+            buffer_pool_bytes: super::link::BufferPool::DEFAULT_LIMIT,
             busy_poll: Duration::from_micros(50),
             io_threads: 1,
             trace_buffer_size: 2000,
@@ -173,6 +182,9 @@ impl TcpOptions {
         if let Some(n) = parse_u64("COHORT_IO_THREADS")? {
             o.io_threads = io_threads(n)?;
         }
+        if let Some(mb) = parse_u64("COHORT_BUFFER_POOL_MB")? {
+            o.buffer_pool_bytes = buffer_pool_bytes(mb)?;
+        }
         if let Some(n) = parse_u64("COHORT_TRACE_BUFFER_SIZE")? {
             o.trace_buffer_size = usize::try_from(n).unwrap_or(usize::MAX);
         }
@@ -206,6 +218,17 @@ fn io_threads(n: u64) -> Result<usize, EnvError> {
         value: n.to_string(),
         reason: format!("expected 1 to {MAX_IO_THREADS}"),
     })
+}
+
+/// `COHORT_BUFFER_POOL_MB`, in bytes.
+fn buffer_pool_bytes(mb: u64) -> Result<usize, EnvError> {
+    usize::try_from(mb).ok().and_then(|mb| mb.checked_mul(1 << 20)).filter(|&b| b <= isize::MAX as usize).ok_or(
+        EnvError {
+            name: "COHORT_BUFFER_POOL_MB",
+            value: mb.to_string(),
+            reason: "more bytes than this host can address".into(),
+        },
+    )
 }
 
 /// The address to bind: the named interface's, else the host name's, else loopback.
@@ -286,6 +309,21 @@ mod tests {
                 format!("environment variable COHORT_IO_THREADS=\"{bad}\" is invalid: expected 1 to 64")
             );
         }
+    }
+
+    #[test]
+    fn the_buffer_pool_holds_64_mib_unless_told_and_refuses_what_cannot_be_addressed() {
+        assert_eq!(TcpOptions::default().buffer_pool_bytes, 64 << 20);
+        assert_eq!(buffer_pool_bytes(0), Ok(0));
+        assert_eq!(buffer_pool_bytes(3), Ok(3 << 20));
+        let err = buffer_pool_bytes(u64::MAX).unwrap_err();
+        assert_eq!(
+            err.to_string(),
+            format!(
+                "environment variable COHORT_BUFFER_POOL_MB=\"{}\" is invalid: more bytes than this host can address",
+                u64::MAX
+            )
+        );
     }
 
     #[test]

@@ -156,6 +156,7 @@ impl DriverState {
         writers: Vec<Option<Lanes>>,
         lazy: Option<u16>,
         on_written: OnWritten,
+        pool: super::link::BufferPool,
     ) -> Self {
         DriverState {
             me: group.rank(),
@@ -177,7 +178,7 @@ impl DriverState {
             deferred_departures: std::collections::BTreeSet::new(),
             on_written: WrittenHook(on_written),
             lazy,
-            pool: super::link::BufferPool::default(),
+            pool,
             dial_requests: Vec::new(),
             idle: Vec::new(),
             timer_armed: None,
@@ -548,6 +549,7 @@ impl DriverState {
             self.early.entry(seq).or_default().push((from, step, tag, payload));
         } else {
             tracing::debug!(%from, %seq, step, "dropping a data frame for a finished collective");
+            self.pool.give(payload);
         }
     }
 
@@ -577,12 +579,14 @@ impl DriverState {
                 t.numel(),
                 t.dtype()
             );
+            self.pool.give(bytes);
             self.group.handle_completion(now, id, Completion::Failed { rank: Some(from), message });
             return;
         }
         t.bytes_mut().copy_from_slice(&bytes);
         p.outputs = vec![t];
         p.completer.set_source_rank(from);
+        self.pool.give(bytes);
         self.group.handle_completion(now, id, Completion::Success);
     }
 
@@ -591,6 +595,7 @@ impl DriverState {
         let Some(Pending { payload: Payload::Collective { run: Some(run), .. }, fingerprint, .. }) =
             self.pending.get_mut(&id)
         else {
+            self.pool.give(payload);
             return;
         };
         if let (Some(mine), Some(theirs)) = (*fingerprint, Fingerprint::from_tag(tag))
@@ -598,6 +603,7 @@ impl DriverState {
         {
             let message =
                 format!("desync at seq {}: rank {from} is running {theirs} while this rank runs {mine}", run.seq());
+            self.pool.give(payload);
             self.group.handle_completion(now, id, Completion::Failed { rank: Some(from), message });
             return;
         }
@@ -782,7 +788,13 @@ impl DriverState {
                     launch.seq,
                     &mut self.plans,
                 ) {
-                    Ok(r) => *run = Some(Box::new(r)),
+                    Ok(r) => {
+                        // Buffers for what it receives, before any of it (or of the next
+                        // collective of its size, which may arrive before that one starts).
+                        let plan = r.plan();
+                        self.pool.reserve(plan.recv_bytes(), plan.largest_recv());
+                        *run = Some(Box::new(r));
+                    }
                     Err(message) => {
                         self.group.handle_completion(now, id, Completion::Failed { rank: None, message });
                         return;
@@ -795,10 +807,11 @@ impl DriverState {
                 self.starting = true;
                 self.after_step(now, id, Ok(()));
                 for (from, step, tag, bytes) in self.early.remove(&launch.seq).unwrap_or_default() {
-                    if !self.running.contains_key(&launch.seq) {
-                        break;
+                    if self.running.contains_key(&launch.seq) {
+                        self.feed(now, id, from, step, tag, bytes);
+                    } else {
+                        self.pool.give(bytes);
                     }
-                    self.feed(now, id, from, step, tag, bytes);
                 }
                 self.starting = false;
                 if self.running.contains_key(&launch.seq) {
@@ -814,7 +827,12 @@ impl DriverState {
                 if !summary.is_p2p {
                     self.running.remove(&summary.seq);
                     self.last_finished_seq = self.last_finished_seq.max(summary.seq);
-                    self.early.retain(|&s, _| s > self.last_finished_seq);
+                    // Frames for collectives up to the last finished are stale: their
+                    // buffers go back to the pool.
+                    let live = self.early.split_off(&SeqNo(self.last_finished_seq.0.saturating_add(1)));
+                    for (_, _, _, payload) in std::mem::replace(&mut self.early, live).into_values().flatten() {
+                        self.pool.give(payload);
+                    }
                 }
                 self.posted_recvs.retain(|&id| id != summary.id);
                 if let Some(p) = self.pending.remove(&summary.id) {
