@@ -25,9 +25,9 @@ const COALESCE_LIMIT: usize = 64 * 1024;
 /// collective. On the 2-core VM that backs fresh guest memory slowly, one such iteration of a
 /// 64 MiB allreduce took 60-110 ms instead of 30, spent zeroing new pages. So a collective that
 /// receives large chunks first [`reserves`](BufferPool::reserve) buffers for what it
-/// receives, made and touched at once, and the pool keeps what is given back, up to
-/// [`TcpOptions::buffer_pool_bytes`](super::TcpOptions::buffer_pool_bytes) in all (kept and out
-/// in frames), which it never gives back to the allocator.
+/// receives, made and touched at once, and the pool keeps what is given back while it holds
+/// at most [`TcpOptions::buffer_pool_bytes`](super::TcpOptions::buffer_pool_bytes) (kept and out
+/// in frames together); only buffers past that go back to the allocator.
 ///
 /// Buffers below [`BufferPool::MIN`] are not kept.
 #[derive(Clone, Debug)]
@@ -46,6 +46,18 @@ struct PoolState {
     /// Capacity of a new buffer: at least the largest chunk reserved for, so that every kept
     /// buffer fits every chunk.
     size: usize,
+}
+
+impl PoolState {
+    /// Bytes missing for `total` bytes in chunks of `chunk` (`None` if nothing is, or chunks
+    /// this small or this large are not pooled).
+    fn missing(&self, total: usize, chunk: usize) -> Option<usize> {
+        if chunk < BufferPool::MIN || chunk > self.limit {
+            return None;
+        }
+        let missing = total.min(self.limit).saturating_sub(self.kept_bytes + self.out_bytes);
+        (missing > 0).then_some(missing)
+    }
 }
 
 impl Default for BufferPool {
@@ -134,21 +146,12 @@ impl BufferPool {
     /// the pool holds that much; a failed allocation just stops it (the buffers are made on
     /// demand then, as before).
     pub(crate) fn reserve(&self, total: usize, chunk: usize) {
-        if chunk < Self::MIN {
-            return;
-        }
         let (size, missing) = {
             let mut st = self.lock();
-            if chunk > st.limit {
-                return;
-            }
+            let Some(missing) = st.missing(total, chunk) else { return };
             st.size = st.size.max(chunk);
-            let held = st.kept_bytes + st.out_bytes;
-            (st.size, total.min(st.limit).saturating_sub(held).div_ceil(st.size))
+            (st.size, missing.div_ceil(st.size))
         };
-        if missing == 0 {
-            return;
-        }
         let mut made = Vec::with_capacity(missing);
         for _ in 0..missing {
             let mut v = Vec::new();
@@ -166,6 +169,12 @@ impl BufferPool {
         st.kept_bytes += made.iter().map(Vec::capacity).sum::<usize>();
         // Cold: handed out after the buffers given back, which are likelier in cache.
         st.kept.splice(0..0, made);
+    }
+
+    /// Whether [`BufferPool::reserve`] with these arguments would make buffers now (a cheap
+    /// check, for a caller that reserves later, with no other lock held).
+    pub(crate) fn needs_reserve(&self, total: usize, chunk: usize) -> bool {
+        chunk >= Self::MIN && self.lock().missing(total, chunk).is_some()
     }
 
     /// Bytes of buffers the pool holds: kept, and out in frames.

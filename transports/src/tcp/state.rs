@@ -86,6 +86,11 @@ pub(crate) struct Effects {
     pub(crate) tear_down: Option<String>,
     /// The timer may need an earlier wake-up.
     pub(crate) rearm_timer: bool,
+    /// Buffers to reserve in a pool, `(pool, bytes, chunk)` (see [`BufferPool::reserve`]): made
+    /// with no lock held, since the first collective of a size makes many of them.
+    ///
+    /// [`BufferPool::reserve`]: super::link::BufferPool::reserve
+    pub(crate) reserve: Vec<(super::link::BufferPool, usize, usize)>,
 }
 
 /// The driver state of one rank in one TCP process group.
@@ -733,7 +738,7 @@ impl DriverState {
             }
             while let Some(launch) = self.group.poll_launch() {
                 progressed = true;
-                self.launch(now, launch);
+                self.launch(now, launch, effects);
             }
             while let Some(event) = self.group.poll_event() {
                 progressed = true;
@@ -745,7 +750,7 @@ impl DriverState {
         }
     }
 
-    fn launch(&mut self, now: Instant, launch: Launch) {
+    fn launch(&mut self, now: Instant, launch: Launch, effects: &mut Effects) {
         let id = launch.id;
         self.group.handle_started(now, id);
         let Some(p) = self.pending.get_mut(&id) else { return };
@@ -789,10 +794,12 @@ impl DriverState {
                     &mut self.plans,
                 ) {
                     Ok(r) => {
-                        // Buffers for what it receives, before any of it (or of the next
-                        // collective of its size, which may arrive before that one starts).
+                        // Buffers for what it receives (and for the next collective of its
+                        // size, whose chunks may arrive before that one starts here).
                         let plan = r.plan();
-                        self.pool.reserve(plan.recv_bytes(), plan.largest_recv());
+                        if self.pool.needs_reserve(plan.recv_bytes(), plan.largest_recv()) {
+                            effects.reserve.push((self.pool.clone(), plan.recv_bytes(), plan.largest_recv()));
+                        }
                         *run = Some(Box::new(r));
                     }
                     Err(message) => {
