@@ -23,7 +23,7 @@ const COALESCE_LIMIT: usize = 64 * 1024;
 /// started a collective first sends its part before this rank has started it (each chunk
 /// waits in a buffer until then), and every new peak mapped fresh pages inside a timed
 /// collective. On the 2-core VM that backs fresh guest memory slowly, one such iteration of a
-/// 64 MiB allreduce took 60-110 ms instead of 30, spent zeroing new pages. So a collective that
+/// 64 MiB allreduce took 60-120 ms instead of 30, spent zeroing new pages. So a collective that
 /// receives large chunks first [`reserves`](BufferPool::reserve) buffers for what it
 /// receives, made and touched at once, and the pool keeps what is given back while it holds
 /// at most [`TcpOptions::buffer_pool_bytes`](super::TcpOptions::buffer_pool_bytes) (kept and out
