@@ -943,6 +943,53 @@ impl GroupState {
         self.release(now);
     }
 
+    /// The device measured work `id` as `time` (its start and end events, on NCCL): the work's
+    /// duration and its flight-recorder entry report it. Feed it before the work's
+    /// [`handle_completion`](GroupState::handle_completion). Queues nothing.
+    pub fn handle_device_time(&mut self, _now: Instant, id: WorkId, time: Duration) {
+        if let Some(w) = self.works.get_mut(&id) {
+            w.lifecycle.set_device_time(time);
+        }
+    }
+
+    /// The communicator itself broke (NCCL's asynchronous error, `ncclCommGetAsyncError`): no
+    /// work on it can finish, so every unfinished work fails with `message`, and the group
+    /// fails whatever the [`ErrorHandling`] mode (a broken communicator runs nothing more).
+    /// `culprit` is the rank held responsible, when the driver knows one. May queue events and
+    /// transmits. Ignored once the group has failed or was aborted.
+    pub fn handle_comm_error(&mut self, now: Instant, culprit: Option<Rank>, message: String) {
+        let now = self.since_epoch(now);
+        if self.health != Health::Healthy {
+            return;
+        }
+        let me = self.rank;
+        let open: Vec<(WorkId, SeqNo, OpType)> =
+            self.works.iter().filter(|(_, w)| w.result.is_none()).map(|(id, w)| (id, w.seq, w.collective.op)).collect();
+        let first = open.first().map(|&(_, seq, op)| (seq, op));
+        for (id, seq, op) in open {
+            self.set_result(
+                id,
+                WorkResult::CommError { rank: culprit, message: format!("rank {me}: {op} (seq {seq}) failed: {message}") },
+            );
+        }
+        let message = match first {
+            Some((seq, op)) => format!("rank {me}: {op} (seq {seq}) failed: {message}"),
+            None => format!("rank {me}: {message}"),
+        };
+        let failure = GroupFailure { origin: me, culprit, seq: first.map(|(s, _)| s), message };
+        if self.cfg.error_handling.fails_group() {
+            self.fail_group(now, failure, true);
+        } else {
+            // NoHandling keeps the works' own errors only, but the communicator is broken all
+            // the same: the group is failed without tearing anything down.
+            self.stop_timers();
+            self.health = Health::Failed(failure.clone());
+            self.release(now);
+            self.events.push_back(Event::GroupFailed(failure));
+        }
+        self.release(now);
+    }
+
     /// A peer sent a control message. Heartbeats refresh its liveness; an error fails the
     /// group as a remote error naming the origin; an abort aborts the group.
     pub fn handle_message(&mut self, now: Instant, from: Rank, msg: ControlMsg) {
@@ -1218,6 +1265,9 @@ impl GroupState {
             finished.expect("a work is finished once, when it leaves the table");
             if let Some(rid) = w.record {
                 self.recorder.handle_finished(rid, now, &result);
+                if let (true, Some(time)) = (result.is_success(), lifecycle.device_time()) {
+                    self.recorder.handle_device_time(rid, time);
+                }
             }
             self.events.push_back(Event::WorkFinished(WorkSummary {
                 id,
@@ -1500,6 +1550,53 @@ mod tests {
             _ => None,
         });
         assert_eq!(culprit, Some(Some(Rank(1))), "a note pointing back at this rank ends the chain");
+    }
+
+    #[test]
+    fn a_comm_error_fails_every_open_work_and_the_group_in_every_mode() {
+        for mode in [ErrorHandling::NoHandling, ErrorHandling::CleanUpOnly, ErrorHandling::TearDown] {
+            let (mut g, t0) = group(4, 2, mode);
+            let a = g.submit(t0, allreduce(4)).unwrap();
+            let b = g.submit(t0, allreduce(4)).unwrap();
+            while g.poll_launch().is_some() {}
+            g.handle_comm_error(t0, None, "ncclCommGetAsyncError: remote process exited".into());
+            let events = drain_events(&mut g);
+            assert_eq!(finished(&events), vec![(a, WorkState::Failed), (b, WorkState::Failed)], "{mode:?}");
+            let Event::WorkFinished(s) = &events[1] else { panic!("{events:?}") };
+            assert_eq!(
+                s.result,
+                WorkResult::CommError {
+                    rank: None,
+                    message: "rank 2: all_reduce (seq 2) failed: ncclCommGetAsyncError: remote process exited".into()
+                }
+            );
+            let failure = g.failure().expect("the group failed").clone();
+            assert_eq!((failure.origin, failure.seq), (Rank(2), Some(SeqNo(1))), "{mode:?}");
+            assert!(events.contains(&Event::GroupFailed(failure)), "{mode:?}");
+            assert_eq!(events.iter().any(|e| matches!(e, Event::TearDown { .. })), mode == ErrorHandling::TearDown);
+            assert!(matches!(g.submit(t0, allreduce(1)), Err(SubmitError::GroupFailed { .. })));
+            // A second error changes nothing.
+            g.handle_comm_error(t0, Some(Rank(1)), "again".into());
+            assert!(drain_events(&mut g).is_empty());
+        }
+    }
+
+    #[test]
+    fn a_device_measured_time_becomes_the_duration_and_the_recorded_one() {
+        let (g, t0) = group(2, 0, ErrorHandling::CleanUpOnly);
+        let mut cfg = g.config().clone();
+        cfg.recorder.timing = true; // TORCH_NCCL_ENABLE_TIMING
+        let mut g = GroupState::new(cfg, Rank(0), t0);
+        let a = g.submit(t0, allreduce(4)).unwrap();
+        while g.poll_launch().is_some() {}
+        g.handle_started(t0 + Duration::from_millis(1), a);
+        g.handle_device_time(t0, a, Duration::from_micros(250));
+        g.handle_completion(t0 + Duration::from_millis(9), a, Completion::Success);
+        let events = drain_events(&mut g);
+        let Event::WorkFinished(s) = &events[0] else { panic!("{events:?}") };
+        assert_eq!(s.lifecycle.duration(), Some(Duration::from_micros(250)));
+        let dump = g.dump();
+        assert_eq!(dump.entries[0].duration_ms, Some(0.25));
     }
 
     #[test]

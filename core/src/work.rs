@@ -306,12 +306,27 @@ pub struct Lifecycle {
     enqueued_at: Duration,
     started_at: Option<Duration>,
     finished_at: Option<Duration>,
+    /// The time the device measured between the work's start and end events (NCCL), which
+    /// [`Lifecycle::duration`] reports instead of the host's view.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    device_time: Option<Duration>,
 }
 
 impl Lifecycle {
     /// A work enqueued at `now`.
     pub fn new(now: Duration) -> Self {
-        Lifecycle { state: WorkState::Enqueued, enqueued_at: now, started_at: None, finished_at: None }
+        Lifecycle { state: WorkState::Enqueued, enqueued_at: now, started_at: None, finished_at: None, device_time: None }
+    }
+
+    /// The device measured the work's run as `time` (its start and end events, as c10d's
+    /// `getDuration` on NCCL): [`Lifecycle::duration`] reports it from now on.
+    pub fn set_device_time(&mut self, time: Duration) {
+        self.device_time = Some(time);
+    }
+
+    /// The device-measured run time, if a device measured it.
+    pub fn device_time(&self) -> Option<Duration> {
+        self.device_time
     }
 
     /// `Enqueued → Started`.
@@ -355,10 +370,11 @@ impl Lifecycle {
         self.finished_at
     }
 
-    /// From start (or enqueue, if it never started) to end; `None` while running.
+    /// From start (or enqueue, if it never started) to end; `None` while running. The
+    /// device-measured time instead, when a device measured it.
     pub fn duration(&self) -> Option<Duration> {
         let end = self.finished_at?;
-        Some(end.saturating_sub(self.started_at.unwrap_or(self.enqueued_at)))
+        Some(self.device_time.unwrap_or_else(|| end.saturating_sub(self.started_at.unwrap_or(self.enqueued_at))))
     }
 }
 
@@ -387,6 +403,17 @@ mod tests {
         assert!(l.finish(T(2), WorkState::Completed).is_err());
         assert_eq!(l.finished_at(), Some(T(1)));
         assert_eq!(l.duration(), Some(T(1)));
+    }
+
+    #[test]
+    fn a_device_measured_time_is_the_duration() {
+        let mut l = Lifecycle::new(T(1));
+        l.start(T(2)).unwrap();
+        l.set_device_time(T(40));
+        assert_eq!(l.duration(), None, "still running");
+        l.finish(T(3), WorkState::Completed).unwrap();
+        assert_eq!(l.duration(), Some(T(40)));
+        assert_eq!(l.device_time(), Some(T(40)));
     }
 
     #[test]

@@ -448,6 +448,16 @@ impl FlightRecorder {
         }
     }
 
+    /// The device measured the work `id` as `time` (its start and end events): `duration_ms`
+    /// becomes that, when timing is on. No-op if the entry is gone.
+    pub fn handle_device_time(&mut self, id: RecordId, time: Duration) {
+        let timing = self.config.timing;
+        let Some(slot) = self.live_slot(id) else { return };
+        if timing {
+            slot.duration = Some(time);
+        }
+    }
+
     /// The work `id` ended at `now` with `result`. Success is
     /// [`handle_completed`](Self::handle_completed). Any other result retires the entry and
     /// records cohort's terminal state and the result's text in the extra fields, leaving
