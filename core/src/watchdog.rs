@@ -172,6 +172,24 @@ pub fn timeout_message(this_rank: Rank, cx: &TimeoutContext) -> String {
     msg
 }
 
+/// Which ranks hold collective `seq` back, from every rank's published progress (c10d's desync
+/// debug, `TORCH_NCCL_DESYNC_DEBUG`): a backend that cannot see whom a collective waits for
+/// (NCCL) asks every rank how far it got instead. `progress[r]` is rank `r`'s record, `None`
+/// where it published none.
+///
+/// The ranks that have not enqueued `seq` (or published nothing) are behind. If every rank
+/// enqueued it, those whose kernel for it has not started are: their device is stuck in
+/// something earlier. `me` is never named (this rank knows its own state). Empty when no rank
+/// is behind: the ranks all entered it and the collective itself is stuck.
+pub fn ranks_behind(seq: SeqNo, me: Rank, progress: &[Option<crate::protocol::ProgressRecord>]) -> Vec<Rank> {
+    let others = || progress.iter().enumerate().map(|(r, p)| (Rank(r as u32), p)).filter(|(r, _)| *r != me);
+    let not_enqueued: Vec<Rank> = others().filter(|(_, p)| p.is_none_or(|p| p.enqueued < seq)).map(|(r, _)| r).collect();
+    if !not_enqueued.is_empty() {
+        return not_enqueued;
+    }
+    others().filter(|(_, p)| p.is_some_and(|p| p.started < seq)).map(|(r, _)| r).collect()
+}
+
 /// Notices a driver that stopped ticking (c10d's heartbeat monitor for its watchdog thread,
 /// `TORCH_NCCL_HEARTBEAT_TIMEOUT_SEC`): the driver calls [`DriverMonitor::handle_tick`] from its
 /// loop; another thread asks [`DriverMonitor::check`].
@@ -273,6 +291,19 @@ mod tests {
                 proptest::prop_assert!(t.by_time.len() <= 2 * t.by_kind.len() + 65);
             }
         }
+    }
+
+    #[test]
+    fn the_ranks_behind_are_those_that_did_not_enqueue_then_those_that_did_not_start() {
+        use crate::protocol::ProgressRecord;
+        let p = |e, s, c| Some(ProgressRecord { enqueued: SeqNo(e), started: SeqNo(s), completed: SeqNo(c) });
+        // Rank 2 never called seq 3; rank 3 published nothing.
+        assert_eq!(ranks_behind(SeqNo(3), Rank(0), &[p(3, 3, 2), p(3, 3, 2), p(2, 2, 2), None]), vec![Rank(2), Rank(3)]);
+        // Everyone enqueued it; rank 1's kernel never started (its stream is stuck earlier).
+        assert_eq!(ranks_behind(SeqNo(3), Rank(0), &[p(3, 2, 2), p(3, 2, 2), p(3, 3, 2)]), vec![Rank(1)]);
+        // This rank is never named, and a collective stuck on every rank names nobody.
+        assert_eq!(ranks_behind(SeqNo(3), Rank(1), &[p(3, 3, 2), p(3, 2, 2), p(3, 3, 2)]), Vec::<Rank>::new());
+        assert_eq!(ranks_behind(SeqNo(3), Rank(0), &[p(1, 0, 0), p(5, 5, 5)]), Vec::<Rank>::new());
     }
 
     #[test]

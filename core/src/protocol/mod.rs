@@ -66,9 +66,11 @@
 //! check it); write the reply; read the peer's reply. The connection is up when both replies
 //! accept.
 
+mod failure;
 mod frame;
 mod handshake;
 
+pub use failure::{FailureRecord, ProgressRecord, RecordError};
 pub use frame::{
     FRAME_MAGIC, Fingerprint, Frame, FrameDecoder, FrameError, FrameHeader, FrameKind, FrameLimits, HEADER_LEN,
     MAX_MESSAGE_LEN, decode_message, truncate_message,

@@ -21,7 +21,7 @@ use std::time::Duration;
 
 use cohort_core::group::{GroupConfig, GroupState};
 use cohort_core::protocol::{
-    FrameLimits, HANDSHAKE_LEN, Handshake, HandshakeError, HandshakeExpectation, HandshakeReply, REPLY_PREFIX_LEN,
+    FailureRecord, FrameLimits, HANDSHAKE_LEN, Handshake, HandshakeError, HandshakeExpectation, HandshakeReply, REPLY_PREFIX_LEN,
     ReplyPrefix,
 };
 use cohort_core::recorder::RecorderConfig;
@@ -421,17 +421,13 @@ async fn watch_store_errors(weak: std::sync::Weak<Inner>) {
             continue;
         }
         let Ok(value) = store.get(&key).await else { continue };
-        let text = String::from_utf8_lossy(&value).into_owned();
-        let mut parts = text.splitn(3, '\n');
-        let (Some(origin), Some(culprit), Some(message)) = (parts.next(), parts.next(), parts.next()) else { continue };
-        let Ok(origin) = origin.parse::<u32>() else { continue };
-        let culprit = culprit.parse::<u32>().ok().map(Rank);
+        let Ok(FailureRecord { origin, culprit, message }) = FailureRecord::decode(&value) else { continue };
         let Some(inner) = weak.upgrade() else { return };
-        if origin == inner.rank.0 {
+        if origin == inner.rank {
             return;
         }
         let message = format!("(learned through the store) {message}");
-        inner.input(|st, fx| st.handle_remote_error(now(), Rank(origin), culprit, message, fx));
+        inner.input(|st, fx| st.handle_remote_error(now(), origin, culprit, message, fx));
         return;
     }
 }

@@ -339,9 +339,7 @@ impl Inner {
         self.lock().close_links();
         let store = self.store.clone();
         let key = connect::error_key(self.group_id);
-        // "origin\nculprit\nmessage", the culprit "-" when unknown.
-        let culprit = culprit.map_or_else(|| "-".to_owned(), |r| r.0.to_string());
-        let value = format!("{}\n{culprit}\n{message}", origin.0).into_bytes();
+        let value = cohort_core::protocol::FailureRecord { origin, culprit, message }.encode();
         self.runtime.spawn(async move {
             if let Err(e) = store.compare_set(&key, b"", &value).await {
                 tracing::warn!("could not publish the failure through the store: {e}");
