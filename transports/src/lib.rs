@@ -15,7 +15,6 @@
 #![warn(missing_docs, missing_debug_implementations, unreachable_pub)]
 
 pub mod ddp;
-#[cfg(feature = "nccl")]
 pub mod nccl;
 pub mod net;
 pub mod store;
