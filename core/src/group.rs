@@ -969,7 +969,10 @@ impl GroupState {
         for (id, seq, op) in open {
             self.set_result(
                 id,
-                WorkResult::CommError { rank: culprit, message: format!("rank {me}: {op} (seq {seq}) failed: {message}") },
+                WorkResult::CommError {
+                    rank: culprit,
+                    message: format!("rank {me}: {op} (seq {seq}) failed: {message}"),
+                },
             );
         }
         let message = match first {

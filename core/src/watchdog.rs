@@ -183,7 +183,8 @@ pub fn timeout_message(this_rank: Rank, cx: &TimeoutContext) -> String {
 /// is behind: the ranks all entered it and the collective itself is stuck.
 pub fn ranks_behind(seq: SeqNo, me: Rank, progress: &[Option<crate::protocol::ProgressRecord>]) -> Vec<Rank> {
     let others = || progress.iter().enumerate().map(|(r, p)| (Rank(r as u32), p)).filter(|(r, _)| *r != me);
-    let not_enqueued: Vec<Rank> = others().filter(|(_, p)| p.is_none_or(|p| p.enqueued < seq)).map(|(r, _)| r).collect();
+    let not_enqueued: Vec<Rank> =
+        others().filter(|(_, p)| p.is_none_or(|p| p.enqueued < seq)).map(|(r, _)| r).collect();
     if !not_enqueued.is_empty() {
         return not_enqueued;
     }
@@ -298,7 +299,10 @@ mod tests {
         use crate::protocol::ProgressRecord;
         let p = |e, s, c| Some(ProgressRecord { enqueued: SeqNo(e), started: SeqNo(s), completed: SeqNo(c) });
         // Rank 2 never called seq 3; rank 3 published nothing.
-        assert_eq!(ranks_behind(SeqNo(3), Rank(0), &[p(3, 3, 2), p(3, 3, 2), p(2, 2, 2), None]), vec![Rank(2), Rank(3)]);
+        assert_eq!(
+            ranks_behind(SeqNo(3), Rank(0), &[p(3, 3, 2), p(3, 3, 2), p(2, 2, 2), None]),
+            vec![Rank(2), Rank(3)]
+        );
         // Everyone enqueued it; rank 1's kernel never started (its stream is stuck earlier).
         assert_eq!(ranks_behind(SeqNo(3), Rank(0), &[p(3, 2, 2), p(3, 2, 2), p(3, 3, 2)]), vec![Rank(1)]);
         // This rank is never named, and a collective stuck on every rank names nobody.

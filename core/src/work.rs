@@ -315,7 +315,13 @@ pub struct Lifecycle {
 impl Lifecycle {
     /// A work enqueued at `now`.
     pub fn new(now: Duration) -> Self {
-        Lifecycle { state: WorkState::Enqueued, enqueued_at: now, started_at: None, finished_at: None, device_time: None }
+        Lifecycle {
+            state: WorkState::Enqueued,
+            enqueued_at: now,
+            started_at: None,
+            finished_at: None,
+            device_time: None,
+        }
     }
 
     /// The device measured the work's run as `time` (its start and end events, as c10d's

@@ -21,8 +21,8 @@ use std::time::Duration;
 
 use cohort_core::group::{GroupConfig, GroupState};
 use cohort_core::protocol::{
-    FailureRecord, FrameLimits, HANDSHAKE_LEN, Handshake, HandshakeError, HandshakeExpectation, HandshakeReply, REPLY_PREFIX_LEN,
-    ReplyPrefix,
+    FailureRecord, FrameLimits, HANDSHAKE_LEN, Handshake, HandshakeError, HandshakeExpectation, HandshakeReply,
+    REPLY_PREFIX_LEN, ReplyPrefix,
 };
 use cohort_core::recorder::RecorderConfig;
 use cohort_core::work::{GroupId, Rank};
