@@ -15,6 +15,7 @@
 //! | [`FindingKind::SizeMismatch`] | same collective, different input sizes |
 //! | [`FindingKind::DtypeMismatch`] | same collective, different dtypes |
 //! | [`FindingKind::StateMismatch`] | some ranks completed it, others are stuck in it |
+//! | [`FindingKind::NeverStarted`] | every rank enqueued it, none completed it, and on some it never started (their device was stuck before it) |
 //! | [`FindingKind::P2pMismatch`] | a send and its receive disagree on size or dtype, or one side never posted |
 //! | [`FindingKind::Undecided`] | dumps are missing, so the culprit cannot be named |
 //!
@@ -64,6 +65,15 @@ pub enum FindingKind {
         /// Ranks stuck in it.
         stuck: Vec<Rank>,
     },
+    /// Every rank enqueued it and none completed it, but on some it never started: their
+    /// device was stuck in something before it (a hung kernel), while the others started it
+    /// and wait for them. Backends that see a kernel start (NCCL's start events) show this.
+    NeverStarted {
+        /// Ranks where it never started (the culprits).
+        not_started: Vec<Rank>,
+        /// Ranks where it started.
+        started: Vec<Rank>,
+    },
     /// Point-to-point: the i-th send from `sender` to `receiver` and the i-th receive on
     /// `receiver` from `sender` disagree on size or dtype, or one side never posted its half
     /// while the other waits for it.
@@ -105,6 +115,7 @@ impl Finding {
         match &self.kind {
             FindingKind::NeverJoined { missing, .. } => missing.clone(),
             FindingKind::StateMismatch { stuck, .. } => stuck.clone(),
+            FindingKind::NeverStarted { not_started, .. } => not_started.clone(),
             FindingKind::Undecided { missing_dumps } => missing_dumps.clone(),
             FindingKind::P2pMismatch { blame, .. } => blame.clone(),
             FindingKind::OpMismatch { by_op: by }
@@ -185,6 +196,12 @@ impl fmt::Display for Finding {
             FindingKind::StateMismatch { completed, stuck } => {
                 write!(f, "rank(s) {} completed it but rank(s) {} did not", ranks_text(completed), ranks_text(stuck))
             }
+            FindingKind::NeverStarted { not_started, started } => write!(
+                f,
+                "every rank enqueued it, but it never started on rank(s) {} (their device was stuck before it) while rank(s) {} started it and wait",
+                ranks_text(not_started),
+                ranks_text(started)
+            ),
             FindingKind::P2pMismatch { .. } => Ok(()),
             FindingKind::Undecided { missing_dumps } => write!(
                 f,
@@ -396,6 +413,13 @@ fn first_disagreement(
         if !completed.is_empty() && !stuck.is_empty() {
             return finding(seq, op, FindingKind::StateMismatch { completed, stuck });
         }
+        if completed.is_empty() && !stuck.is_empty() {
+            let (not_started, started): (Vec<Rank>, Vec<Rank>) =
+                stuck.iter().partition(|r| present.iter().any(|(q, e)| q == *r && e.state == EntryState::Scheduled));
+            if !not_started.is_empty() && !started.is_empty() {
+                return finding(seq, op, FindingKind::NeverStarted { not_started, started });
+            }
+        }
     }
     if !missing_dumps.is_empty() {
         // Every dump agrees, but some ranks left none (a crashed process leaves no dump): the
@@ -503,6 +527,24 @@ mod tests {
         let d = diagnose(&[dump(0, 3, &stuck), dump(1, 3, &stuck)], None);
         assert_eq!(d.findings[0].kind, FindingKind::Undecided { missing_dumps: vec![Rank(2)] });
         assert!(d.to_string().contains("undecided: no dump from rank(s) [2]"), "{d}");
+    }
+
+    #[test]
+    fn a_collective_that_never_started_on_one_rank_blames_that_rank() {
+        let ops = [(AR, 8, DType::F32, true), (AR, 8, DType::F32, false)];
+        let mut dumps: Vec<(Rank, Dump)> = (0..4).map(|r| dump(r, 4, &ops)).collect();
+        // Rank 2's device was stuck before seq 2: it was enqueued there and never started.
+        dumps[2].1.entries[1].state = EntryState::Scheduled;
+        let d = diagnose(&dumps, None);
+        assert_eq!(
+            d.findings[0].kind,
+            FindingKind::NeverStarted { not_started: vec![Rank(2)], started: vec![Rank(0), Rank(1), Rank(3)] }
+        );
+        assert_eq!(d.findings[0].culprits(), vec![Rank(2)]);
+        assert!(d.to_string().contains("it never started on rank(s) [2]"), "{d}");
+        // Stuck everywhere, started everywhere: nobody to blame from the dumps.
+        let dumps: Vec<(Rank, Dump)> = (0..4).map(|r| dump(r, 4, &ops)).collect();
+        assert!(diagnose(&dumps, None).is_healthy());
     }
 
     #[test]
