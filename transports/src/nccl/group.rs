@@ -76,7 +76,6 @@ pub enum MonitorAction {
 /// Options of an NCCL process group (what `ProcessGroupNCCL::Options` and the `TORCH_NCCL_*`
 /// variables set). Every `COHORT_*` variable below also reads its `TORCH_NCCL_*` twin.
 #[derive(Debug, Clone, PartialEq)]
-#[non_exhaustive]
 pub struct NcclOptions {
     /// Default timeout of every collective (c10d's NCCL default, 10 minutes).
     /// `COHORT_TIMEOUT_MS`.
@@ -609,20 +608,18 @@ impl<D: Device> NcclProcessGroup<D> {
         Ok(DeviceTensor { buf: self.inner.device.alloc(n)?, dtype, shape: shape.to_vec() })
     }
 
-    /// Copies a device tensor to the host. The compute stream first waits for every
-    /// collective enqueued so far (as c10d's default `work.wait()` would have made it), so the
-    /// copy sees their results. Blocks the calling thread (polling, up to the group's
-    /// timeout); a device error is returned as such.
+    /// Copies a device tensor to the host, on the compute stream, and blocks the calling thread
+    /// until it is there (polling, up to the group's timeout); a device error is returned as
+    /// such. The copy sees what every finished work wrote (a work whose `wait` returned, or
+    /// whose future resolved, has completed on the device) and whatever the compute stream was
+    /// made to wait for ([`NcclProcessGroup::wait_stream`]); it does not wait for works still
+    /// running, so a hung collective does not hang the copy of an earlier result.
     pub fn to_host(&self, t: &DeviceTensor<D>) -> Result<Tensor, NcclError> {
         let (host, done) = self.start_to_host(t)?;
         let deadline = std::time::Instant::now() + self.inner.opts.timeout;
         while !self.inner.device.query(&done)? {
             if std::time::Instant::now() > deadline {
-                return Err(NcclError::Timeout(format!(
-                    "copying {} bytes to the host did not finish within {} ms (the stream is stuck)",
-                    t.nbytes(),
-                    self.inner.opts.timeout.as_millis()
-                )));
+                return Err(self.copy_stuck(t));
             }
             std::thread::sleep(Duration::from_micros(100));
         }
@@ -636,23 +633,25 @@ impl<D: Device> NcclProcessGroup<D> {
         let deadline = tokio::time::Instant::now() + self.inner.opts.timeout;
         while !self.inner.device.query(&done)? {
             if tokio::time::Instant::now() > deadline {
-                return Err(NcclError::Timeout(format!(
-                    "copying {} bytes to the host did not finish within {} ms (the stream is stuck)",
-                    t.nbytes(),
-                    self.inner.opts.timeout.as_millis()
-                )));
+                return Err(self.copy_stuck(t));
             }
             tokio::time::sleep(Duration::from_micros(200)).await;
         }
         Tensor::from_bytes(t.dtype, &t.shape, &host.to_vec()).map_err(|e| NcclError::Invalid(e.to_string()))
     }
 
+    fn copy_stuck(&self, t: &DeviceTensor<D>) -> NcclError {
+        NcclError::Timeout(format!(
+            "rank {}: copying {} bytes to the host did not finish within {} ms: this rank's compute stream is stuck",
+            self.inner.rank,
+            t.nbytes(),
+            self.inner.opts.timeout.as_millis()
+        ))
+    }
+
     fn start_to_host(&self, t: &DeviceTensor<D>) -> Result<(HostBuffer, D::Event), NcclError> {
         let inner = &self.inner;
         let dev = &inner.device;
-        let after = dev.new_event(false)?;
-        dev.record(&after, &inner.nccl_stream)?;
-        dev.stream_wait(&inner.compute_stream, &after)?;
         let host = HostBuffer::new(t.nbytes());
         dev.copy_to_host(&inner.compute_stream, &t.buf, 0, &host)?;
         let done = dev.new_event(false)?;
