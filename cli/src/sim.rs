@@ -4,7 +4,7 @@ use std::path::PathBuf;
 use std::time::Duration;
 
 use clap::Args;
-use cohort_sim::{FaultPlan, Script, Simulation};
+use cohort_sim::{Backend, FaultPlan, Script, Simulation};
 
 /// Arguments of `cohort sim`.
 #[derive(Debug, Args)]
@@ -12,10 +12,12 @@ use cohort_sim::{FaultPlan, Script, Simulation};
     cohort sim --ranks 4 --seed 7 --fault crash:3@seq2\n  \
     cohort sim --ranks 8 --seed 1 --fault hang:2@seq3 --dumps /tmp/sim-dumps\n  \
     cohort sim --ranks 4 --seed 3 --fault 'partition 0-1 @20ms' --script allreduce:4096,allgather:256,barrier\n  \
-    cohort sim --ranks 5 --seed 99 --random-fault --json report.json\n\n\
+    cohort sim --ranks 5 --seed 99 --random-fault --json report.json\n  \
+    cohort sim --backend nccl --ranks 4 --seed 1 --fault kernel-hang:2@seq3\n\n\
     Faults (repeat --fault, or separate with ';'): crash:R@seqN | crash:R@t=2s | hang:R@seqN |\n\
     partition:A-B@t=T | isolate:R@t=T | hold:A-B@t=T | slow:R@100ms | desync-op:R@seqN |\n\
-    desync-size:R@seqN | desync-dtype:R@seqN | store-crash@t=T, or the long form of the README\n\
+    desync-size:R@seqN | desync-dtype:R@seqN | store-crash@t=T; with --backend nccl also\n\
+    kernel-hang:R@seqN | nccl-error:R@seqN | slow-kernel:R@seqN; or the long form of the README\n\
     ('hold 0-1 @10ms until 300ms', 'desync 1 @collective 2 dtype=f16', 'latency 0-1 20ms').\n\
     seqN is the N-th collective of the script. The same seed gives the same output.")]
 pub(crate) struct SimArgs {
@@ -28,6 +30,10 @@ pub(crate) struct SimArgs {
     /// A fault (repeatable).
     #[arg(short, long = "fault", alias = "faults", value_name = "FAULT")]
     faults: Vec<String>,
+    /// The process group the ranks run: tcp, or nccl (over the emulated device and
+    /// communicator, whose fabric goes through the simulated store).
+    #[arg(long, default_value = "tcp", value_parser = parse_backend)]
+    backend: Backend,
     /// Draw one fault from the seed instead.
     #[arg(long, conflicts_with = "faults")]
     random_fault: bool,
@@ -48,6 +54,10 @@ pub(crate) struct SimArgs {
     dumps: Option<PathBuf>,
 }
 
+fn parse_backend(s: &str) -> Result<Backend, String> {
+    s.parse()
+}
+
 /// Run `cohort sim`; returns the exit code.
 pub(crate) fn run(args: SimArgs) -> Result<i32, String> {
     if args.ranks == 0 {
@@ -56,7 +66,10 @@ pub(crate) fn run(args: SimArgs) -> Result<i32, String> {
     let script = args.script.parse::<Script>().map_err(|e| format!("--script: {e}"))?.window(args.window);
     let plan = if args.random_fault {
         let seed = args.seed.ok_or("--random-fault needs --seed (the plan is drawn from it)")?;
-        FaultPlan::random(seed, args.ranks, script.steps.len(), 8)
+        match args.backend {
+            Backend::Tcp => FaultPlan::random(seed, args.ranks, script.steps.len(), 8),
+            Backend::Nccl => FaultPlan::random_nccl(seed, args.ranks, script.steps.len()),
+        }
     } else {
         let mut plan = FaultPlan::none();
         for f in &args.faults {
@@ -65,8 +78,11 @@ pub(crate) fn run(args: SimArgs) -> Result<i32, String> {
         }
         plan
     };
-    let mut sim =
-        Simulation::new(args.ranks).script(script).faults(plan).timeout(Duration::from_millis(args.timeout_ms));
+    let mut sim = Simulation::new(args.ranks)
+        .script(script)
+        .faults(plan)
+        .timeout(Duration::from_millis(args.timeout_ms))
+        .backend(args.backend);
     if let Some(seed) = args.seed {
         sim = sim.seed(seed);
     }

@@ -36,6 +36,6 @@ pub mod run;
 pub mod workload;
 
 pub use net::TurmoilNet;
-pub use plan::{Change, Fault, FaultPlan, Trigger};
-pub use run::{Fate, Outcome, RankFn, RankReport, Report, Simulation, WorkEvent, WorkOutcome, Workload};
+pub use plan::{Change, DeviceFault, Fault, FaultPlan, SLOW_KERNEL_MS, Trigger};
+pub use run::{Backend, Fate, Outcome, RankFn, RankReport, Report, Simulation, WorkEvent, WorkOutcome, Workload};
 pub use workload::{Script, ScriptOp, Step};

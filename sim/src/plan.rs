@@ -140,6 +140,48 @@ pub enum Fault {
         /// When (ms).
         at_ms: u64,
     },
+    /// A device fault at one collective (NCCL backend only: injected into the emulated device
+    /// and communicator).
+    Device {
+        /// The rank.
+        rank: u32,
+        /// The collective (0-based script index).
+        collective: usize,
+        /// What goes wrong.
+        kind: DeviceFault,
+    },
+}
+
+/// What goes wrong on a rank's (emulated) GPU.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum DeviceFault {
+    /// The stream stalls before the collective's kernel (a hung kernel ahead of it): its
+    /// start event never fires.
+    KernelHang,
+    /// The communicator reports an asynchronous error (`ncclRemoteError`) when the kernel
+    /// runs, and the kernel stays stuck until the communicator is aborted.
+    NcclError,
+    /// The kernel takes [`SLOW_KERNEL_MS`] longer, then completes correctly.
+    SlowKernel,
+}
+
+/// How much longer a [`DeviceFault::SlowKernel`] kernel takes.
+pub const SLOW_KERNEL_MS: u64 = 100;
+
+impl DeviceFault {
+    /// The name in plans (`kernel-hang`, `nccl-error`, `slow-kernel`).
+    pub const fn name(self) -> &'static str {
+        match self {
+            DeviceFault::KernelHang => "kernel-hang",
+            DeviceFault::NcclError => "nccl-error",
+            DeviceFault::SlowKernel => "slow-kernel",
+        }
+    }
+
+    fn parse(s: &str) -> Option<DeviceFault> {
+        [DeviceFault::KernelHang, DeviceFault::NcclError, DeviceFault::SlowKernel].into_iter().find(|d| d.name() == s)
+    }
 }
 
 impl Fault {
@@ -149,6 +191,7 @@ impl Fault {
     pub fn is_benign(&self, timeout_ms: u64) -> bool {
         match *self {
             Fault::Slow { delay_ms, .. } => delay_ms < timeout_ms / 2,
+            Fault::Device { kind: DeviceFault::SlowKernel, .. } => SLOW_KERNEL_MS < timeout_ms / 2,
             Fault::Latency { latency_ms, .. } => latency_ms < timeout_ms / 10,
             Fault::Hold { until_ms: Some(until), at_ms, .. } => until.saturating_sub(at_ms) < timeout_ms / 4,
             _ => false,
@@ -162,7 +205,8 @@ impl Fault {
             | Fault::Hang { rank, .. }
             | Fault::Isolate { rank, .. }
             | Fault::Slow { rank, .. }
-            | Fault::Desync { rank, .. } => vec![rank],
+            | Fault::Desync { rank, .. }
+            | Fault::Device { rank, .. } => vec![rank],
             Fault::Partition { a, b, .. } | Fault::Hold { a, b, .. } | Fault::Latency { a, b, .. } => vec![a, b],
             Fault::StoreCrash { .. } => Vec::new(),
         }
@@ -181,7 +225,7 @@ impl Fault {
         }
         let k = match *self {
             Fault::Crash { at: Trigger::Collective(k), .. } | Fault::Hang { collective: k, .. } => Some(k),
-            Fault::Desync { collective: k, .. } => Some(k),
+            Fault::Desync { collective: k, .. } | Fault::Device { collective: k, .. } => Some(k),
             _ => None,
         };
         if let Some(k) = k
@@ -239,6 +283,7 @@ impl fmt::Display for Fault {
                 }
             }
             Fault::StoreCrash { at_ms } => write!(f, "store-crash @{at_ms}ms"),
+            Fault::Device { rank, collective, kind } => write!(f, "{} {rank} @collective {collective}", kind.name()),
         }
     }
 }
@@ -317,7 +362,8 @@ impl Words<'_> {
 
 /// The compact form, one word: `crash:3@seq5`, `crash:3@t=2s`, `hang:2@seq4`,
 /// `partition:0-1@t=2s`, `isolate:1@t=500ms`, `hold:0-1@t=1s`, `slow:2@100ms`,
-/// `desync-op:1@seq3`, `desync-size:1@seq3`, `desync-dtype:1@seq3`, `store-crash@t=1s`.
+/// `desync-op:1@seq3`, `desync-size:1@seq3`, `desync-dtype:1@seq3`, `store-crash@t=1s`, and
+/// on the NCCL backend `kernel-hang:2@seq3`, `nccl-error:2@seq3`, `slow-kernel:2@seq3`.
 /// `seqN` is the N-th collective (1-based, the sequence number a script's collective gets).
 fn compact(text: &str) -> Result<Fault, String> {
     let err = |what: &str| format!("fault {text:?}: {what}");
@@ -364,7 +410,10 @@ fn compact(text: &str) -> Result<Fault, String> {
         "desync-size" => desync(Change::OtherSize),
         "desync-dtype" => desync(Change::OtherDtype),
         "store-crash" => Ok(Fault::StoreCrash { at_ms: time()? }),
-        other => Err(err(&format!("unknown fault {other:?}"))),
+        other => match DeviceFault::parse(other) {
+            Some(kind) => Ok(Fault::Device { rank: rank()?, collective: seq()?, kind }),
+            None => Err(err(&format!("unknown fault {other:?}"))),
+        },
     }
 }
 
@@ -440,7 +489,13 @@ impl FromStr for Fault {
                 Fault::Desync { rank, collective, change }
             }
             "store-crash" => Fault::StoreCrash { at_ms: w.at_ms()? },
-            other => return Err(w.err(&format!("unknown fault {other:?}"))),
+            other => match DeviceFault::parse(other) {
+                Some(kind) => {
+                    let rank = w.num("a rank")?;
+                    Fault::Device { rank, collective: w.collective()?, kind }
+                }
+                None => return Err(w.err(&format!("unknown fault {other:?}"))),
+            },
         };
         w.end()?;
         Ok(fault)
@@ -480,6 +535,27 @@ impl FaultPlan {
     /// One fault (or none, one time in eight) drawn from `seed` for a `world_size`-rank job
     /// running a `steps`-collective script that starts by about `start_ms`.
     pub fn random(seed: u64, world_size: u32, steps: usize, start_ms: u64) -> FaultPlan {
+        Self::random_tcp(seed, world_size, steps, start_ms)
+    }
+
+    /// A plan of at most one fault drawn from `seed` among those the NCCL backend meets: a
+    /// crash or hang at a collective, or a device fault (kernel hang, NCCL error, slow kernel).
+    pub fn random_nccl(seed: u64, world_size: u32, steps: usize) -> FaultPlan {
+        let mut rng = SplitMix64(seed ^ 0x5EED_9CC1_0000_0000);
+        let rank = rng.below(u64::from(world_size.max(1))) as u32;
+        let collective = rng.below(steps.max(1) as u64) as usize;
+        let fault = match rng.below(6) {
+            0 => return FaultPlan::none(),
+            1 => Fault::Crash { rank, at: Trigger::Collective(collective) },
+            2 => Fault::Hang { rank, collective },
+            3 => Fault::Device { rank, collective, kind: DeviceFault::KernelHang },
+            4 => Fault::Device { rank, collective, kind: DeviceFault::NcclError },
+            _ => Fault::Device { rank, collective, kind: DeviceFault::SlowKernel },
+        };
+        FaultPlan::none().with(fault)
+    }
+
+    fn random_tcp(seed: u64, world_size: u32, steps: usize, start_ms: u64) -> FaultPlan {
         let mut rng = SplitMix64(seed ^ 0x5EED_F0A1_7000_0000);
         let n = world_size.max(1);
         let steps = steps.max(1);
@@ -599,7 +675,14 @@ mod tests {
         assert_eq!(f("desync-size:1@seq3"), Fault::Desync { rank: 1, collective: 2, change: Change::OtherSize });
         assert_eq!(f("store-crash@t=1s"), Fault::StoreCrash { at_ms: 1000 });
         assert_eq!(f("desync-op:0@seq1").to_string().parse::<Fault>().unwrap(), f("desync-op:0@seq1"));
+        let device = |rank, collective, kind| Fault::Device { rank, collective, kind };
+        assert_eq!(f("kernel-hang:2@seq3"), device(2, 2, DeviceFault::KernelHang));
+        assert_eq!(f("nccl-error:1@seq1"), device(1, 0, DeviceFault::NcclError));
+        assert_eq!(f("slow-kernel:0@seq2"), device(0, 1, DeviceFault::SlowKernel));
+        assert_eq!(f("kernel-hang:2@seq3").to_string(), "kernel-hang 2 @collective 2");
+        assert_eq!(f("kernel-hang 2 @collective 2"), f("kernel-hang:2@seq3"));
         let err = |s: &str| s.parse::<Fault>().unwrap_err();
+        assert!(err("kernel-hang:2@t=1s").contains("expected seqN"));
         assert!(err("crash:x@seq1").contains("rank \"x\" is not a number"));
         assert!(err("hang:1@seq0").contains("start at 1"));
         assert!(err("partition:0-1@t=2").contains("needs a unit"));

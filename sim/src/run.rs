@@ -21,7 +21,7 @@ use cohort_transports::{
 use serde::{Deserialize, Serialize};
 
 use crate::net::TurmoilNet;
-use crate::plan::{Change, Fault, FaultPlan, Trigger};
+use crate::plan::{Change, DeviceFault, Fault, FaultPlan, Trigger};
 use crate::workload::{Script, ScriptOp, Step, check, submit};
 use cohort_core::tensor::DType;
 
@@ -38,6 +38,40 @@ pub const WALL_CLOCK_START_NS: u64 = 1_767_225_600_000_000_000;
 /// The host name of a rank.
 pub fn rank_host(rank: u32) -> String {
     format!("rank{rank}")
+}
+
+mod nccl;
+
+/// Which process group the ranks run.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Backend {
+    /// The production TCP backend over turmoil's network.
+    #[default]
+    Tcp,
+    /// The NCCL process group over the emulated device and communicator, whose fabric runs
+    /// through the simulated store (so over turmoil's network too).
+    Nccl,
+}
+
+impl fmt::Display for Backend {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            Backend::Tcp => "tcp",
+            Backend::Nccl => "nccl",
+        })
+    }
+}
+
+impl std::str::FromStr for Backend {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Backend, String> {
+        match s {
+            "tcp" => Ok(Backend::Tcp),
+            "nccl" => Ok(Backend::Nccl),
+            other => Err(format!("unknown backend {other:?} (expected tcp or nccl)")),
+        }
+    }
 }
 
 /// A workload written as code: given each rank's connected group, do anything; `Err` is the
@@ -102,6 +136,7 @@ pub struct Simulation {
     limit: Duration,
     max_latency: Duration,
     trace_buffer_size: usize,
+    backend: Backend,
 }
 
 impl Simulation {
@@ -120,7 +155,14 @@ impl Simulation {
             limit: Duration::from_secs(60),
             max_latency: Duration::from_millis(1),
             trace_buffer_size: 2000,
+            backend: Backend::Tcp,
         }
+    }
+
+    /// The backend every rank runs (default TCP).
+    pub fn backend(mut self, backend: Backend) -> Simulation {
+        self.backend = backend;
+        self
     }
 
     /// The seed: turmoil's randomness (message latencies) and nothing else depends on it.
@@ -190,6 +232,7 @@ impl Simulation {
             Workload::Custom { .. } => None,
         };
         self.plan.validate(self.world_size, script)?;
+        self.check_backend()?;
         let seed = self.seed.unwrap_or_else(|| {
             let seed = std::time::SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| d.as_nanos() as u64);
             eprintln!("cohort-sim: no seed given; using {seed} (pass it to replay this run)");
@@ -197,6 +240,29 @@ impl Simulation {
             seed
         });
         Ok(Controller::new(self, seed).run())
+    }
+}
+
+impl Simulation {
+    /// Whether the plan and workload suit the backend.
+    fn check_backend(&self) -> Result<(), String> {
+        for f in &self.plan.faults {
+            match (self.backend, f) {
+                (Backend::Tcp, Fault::Device { .. }) => {
+                    return Err(format!("{f}: device faults need the NCCL backend (--backend nccl)"));
+                }
+                (Backend::Nccl, Fault::Partition { .. } | Fault::Hold { .. } | Fault::Latency { .. }) => {
+                    return Err(format!(
+                        "{f}: the emulated NCCL fabric runs through the store host, so a link between two ranks carries nothing (isolate a rank instead)"
+                    ));
+                }
+                _ => {}
+            }
+        }
+        if self.backend == Backend::Nccl && matches!(self.workload, Workload::Custom { .. }) {
+            return Err("code workloads run on the TCP backend only".into());
+        }
+        Ok(())
     }
 }
 
@@ -336,6 +402,9 @@ pub struct Report {
     pub ranks: Vec<RankReport>,
     /// The cross-rank diagnosis of the dumps.
     pub diagnosis: Diagnosis,
+    /// The backend, when not TCP.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub backend: Option<Backend>,
 }
 
 impl Report {
@@ -362,6 +431,9 @@ impl Report {
 impl fmt::Display for Report {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         writeln!(f, "seed {}, {} ranks, workload: {}", self.seed, self.world_size, self.workload)?;
+        if let Some(b) = self.backend {
+            writeln!(f, "backend: {b} (emulated device and communicator)")?;
+        }
         writeln!(f, "faults: {}", self.plan)?;
         for (fault, ms) in &self.applied {
             writeln!(f, "  {fault}: took effect at {ms} ms")?;
@@ -412,6 +484,7 @@ fn sim_ms() -> u64 {
 #[derive(Default)]
 struct Slot {
     pg: Option<ProcessGroup>,
+    nccl: Option<nccl::Pg>,
     joined_ms: Option<u64>,
     fate: Option<Fate>,
     works: Vec<WorkOutcome>,
@@ -431,6 +504,7 @@ struct RankFaults {
     hang_at: Option<usize>,
     slow: Option<Duration>,
     desync: Vec<(usize, Change)>,
+    device: Vec<(usize, DeviceFault)>,
 }
 
 impl RankFaults {
@@ -446,6 +520,7 @@ impl RankFaults {
                 }
                 Fault::Slow { rank: r, delay_ms } if r == rank => out.slow = Some(Duration::from_millis(delay_ms)),
                 Fault::Desync { rank: r, collective, change } if r == rank => out.desync.push((collective, change)),
+                Fault::Device { rank: r, collective, kind } if r == rank => out.device.push((collective, kind)),
                 _ => {}
             }
         }
@@ -679,11 +754,12 @@ impl Controller {
             let crashed = matches!(fate, Fate::Crashed { .. });
             // A rank that ended wrote its dump; one still running (or hung) is read now; a
             // crashed host's recorder died with it.
-            let text = match (&slot.dump, &slot.pg) {
+            let text = match (&slot.dump, &slot.pg, &slot.nccl) {
                 _ if crashed => None,
-                (Some(d), _) => Some(d.clone()),
-                (None, Some(pg)) => Some(pg.flight_recorder_json()),
-                (None, None) => None,
+                (Some(d), _, _) => Some(d.clone()),
+                (None, Some(pg), _) => Some(pg.flight_recorder_json()),
+                (None, None, Some(pg)) => Some(pg.flight_recorder_json()),
+                (None, None, None) => None,
             };
             let dump = text.and_then(|t| match Dump::from_json(&t) {
                 Ok(d) => Some(d),
@@ -714,6 +790,7 @@ impl Controller {
             applied,
             ranks,
             diagnosis,
+            backend: (self.cfg.backend != Backend::Tcp).then_some(self.cfg.backend),
         }
     }
 }
@@ -738,6 +815,9 @@ impl RankCtx {
     }
 
     async fn run(&self) {
+        if self.cfg.backend == Backend::Nccl {
+            return self.run_nccl().await;
+        }
         let cfg = &self.cfg;
         let store_cfg = TcpStoreConfig::new(STORE_HOST, STORE_PORT)
             .with_timeout(cfg.init_timeout)

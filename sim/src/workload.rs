@@ -225,7 +225,7 @@ pub fn value(rank: u32, i: usize) -> f64 {
     ((rank as usize + 2 * i) % 3) as f64
 }
 
-fn input(rank: u32, numel: usize, dtype: DType) -> Tensor {
+pub(crate) fn input(rank: u32, numel: usize, dtype: DType) -> Tensor {
     let v: Vec<f64> = (0..numel).map(|i| value(rank, i)).collect();
     Tensor::from_f64s(dtype, &v)
 }
