@@ -1723,4 +1723,61 @@ mod tests {
         let e = comm.shrink(&[0]).unwrap_err();
         assert!(matches!(e, NcclError::Invalid(_) | NcclError::NeedsVersion { .. }), "{e:?}");
     }
+
+    /// The process group's lifecycle on CUDA: a collective runs with a device-measured time;
+    /// then a real hang (the compute stream waits on a host flag, so the collective behind it
+    /// never starts) is timed out by the watchdog, the communicator is aborted while the stream
+    /// is still blocked, and the flight recorder is dumped.
+    #[test]
+    #[ignore = "needs a GPU: run scripts/gpu-tests.sh on a GPU machine"]
+    fn gpu_the_watchdog_times_out_a_real_hang_aborts_and_dumps() {
+        use cohort_core::reduce::ReduceOp;
+        use cohort_core::tensor::Tensor;
+        use cohort_core::work::WorkState;
+
+        use crate::nccl::{NcclOptions, NcclProcessGroup};
+
+        let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().unwrap();
+        let dev = Arc::new(gpu());
+        let dir = std::env::temp_dir().join(format!("cohort-gpu-dump-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let prefix = dir.join("rank");
+        let opts = NcclOptions {
+            timeout: Duration::from_secs(2),
+            heartbeat_timeout: None,
+            dump_prefix: Some(prefix.clone()),
+            enable_timing: true,
+            ..NcclOptions::default()
+        };
+        let store: Arc<dyn crate::store::Store> = Arc::new(crate::store::MemoryStore::new());
+        let pg = rt
+            .block_on(NcclProcessGroup::new(dev.clone(), store, "gpu", 0, 1, opts, rt.handle().clone()))
+            .expect("init");
+        let t = pg.to_device(&Tensor::from_slice(&[1.5f32, 2.0])).unwrap();
+        let w = pg.allreduce(&t, ReduceOp::Sum).unwrap();
+        w.wait().unwrap();
+        assert_eq!(pg.to_host(&t).unwrap().to_vec::<f32>().unwrap(), vec![1.5, 2.0]);
+        println!("a world-1 allreduce took {:?} on the device", w.duration());
+        assert!(w.duration().is_some());
+
+        // Made after the tensor, so dropped before it: the release comes before any free.
+        let blocker = CudaBlocker::new(&dev).expect("blocker");
+        blocker.block(pg.compute_stream()).unwrap();
+        let w = pg.allreduce(&t, ReduceOp::Sum).unwrap();
+        let started = Instant::now();
+        let e = w.wait_timeout(Duration::from_secs(30)).expect_err("the collective is stuck behind the block");
+        println!("after {:?}: {e}", started.elapsed());
+        assert_eq!(w.state(), WorkState::TimedOut, "{e}");
+        assert!(e.to_string().contains("never started"), "{e}");
+        assert!(pg.is_comm_aborted(), "the watchdog aborts the communicator while the stream is blocked");
+        let path = format!("{}0.json", prefix.display());
+        let deadline = Instant::now() + Duration::from_secs(5);
+        while !std::path::Path::new(&path).exists() && Instant::now() < deadline {
+            std::thread::sleep(Duration::from_millis(10));
+        }
+        let dump = cohort_core::recorder::Dump::from_json(&std::fs::read_to_string(&path).unwrap()).unwrap();
+        assert_eq!(dump.entries.len(), 2, "{dump:?}");
+        blocker.release();
+        std::fs::remove_dir_all(&dir).ok();
+    }
 }
