@@ -521,6 +521,7 @@ impl<D: Device> NcclProcessGroup<D> {
             opts,
         });
         runtime.spawn(watchdog(Arc::downgrade(&inner), inner.wake.clone(), inner.stalled.clone()));
+        runtime.spawn(store_task(Arc::downgrade(&inner), inner.opts.status_interval));
         if let Some(limit) = inner.opts.heartbeat_timeout {
             spawn_monitor(Arc::downgrade(&inner), limit)?;
         }
@@ -1497,15 +1498,15 @@ impl<D: Device> Inner<D> {
     }
 }
 
-/// The watchdog task: polls the device while works run, the store every status interval, and
-/// sleeps until the next deadline, submit or store round otherwise. It holds the group only
-/// weakly: dropping the last handle ends it.
+/// The watchdog task: polls the device while works run, and otherwise sleeps until the next
+/// deadline or submit (or a status interval, at most). It holds the group only weakly: dropping
+/// the last handle ends it. The store is talked to by another task ([`store_task`]): a slow or
+/// dead store must never stop the watchdog.
 async fn watchdog<D: Device>(weak: Weak<Inner<D>>, wake: Arc<Notify>, stalled: Arc<AtomicBool>) {
-    let (poll, status) = match weak.upgrade() {
+    let (poll, idle) = match weak.upgrade() {
         Some(inner) => (inner.opts.poll_interval, inner.opts.status_interval),
         None => return,
     };
-    let mut next_store = tokio::time::Instant::now() + status;
     loop {
         if stalled.load(Ordering::SeqCst) {
             tokio::time::sleep(poll).await;
@@ -1514,19 +1515,12 @@ async fn watchdog<D: Device>(weak: Weak<Inner<D>>, wake: Arc<Notify>, stalled: A
         let Some(inner) = weak.upgrade() else { return };
         inner.heartbeat.fetch_add(1, Ordering::SeqCst);
         inner.poll_device();
-        if tokio::time::Instant::now() >= next_store {
-            inner.store_round().await;
-            next_store = tokio::time::Instant::now() + status;
-        }
         let (busy, deadline) = {
             let st = inner.lock();
             (!st.running.is_empty(), st.group.poll_timeout())
         };
         drop(inner);
-        let mut until = next_store;
-        if busy {
-            until = until.min(tokio::time::Instant::now() + poll);
-        }
+        let mut until = tokio::time::Instant::now() + if busy { poll } else { idle };
         if let Some(d) = deadline {
             until = until.min(tokio::time::Instant::from_std(d));
         }
@@ -1535,6 +1529,16 @@ async fn watchdog<D: Device>(weak: Weak<Inner<D>>, wake: Arc<Notify>, stalled: A
             _ = wake.notified() => {}
             _ = tokio::time::sleep_until(until) => {}
         }
+    }
+}
+
+/// The store task: every status interval, [`Inner::store_round`]. It holds the group only
+/// weakly between rounds.
+async fn store_task<D: Device>(weak: Weak<Inner<D>>, interval: Duration) {
+    loop {
+        tokio::time::sleep(interval).await;
+        let Some(inner) = weak.upgrade() else { return };
+        inner.store_round().await;
     }
 }
 
