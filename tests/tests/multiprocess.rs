@@ -380,3 +380,28 @@ fn every_collective_is_right_and_a_sigkill_is_named_with_busy_poll_off_and_long(
     collectives_and_a_sigkill_with(&[("COHORT_BUSY_POLL_US", "0")]);
     collectives_and_a_sigkill_with(&[("COHORT_BUSY_POLL_US", "2000")]);
 }
+
+/// The NCCL process group on the emulated device across three real processes, its fabric over
+/// the TCPStore: the allreduce computes, then the last rank stops calling (it sleeps, or exits
+/// like a crashed process) and both survivors' timeouts name it through desync debug.
+#[test]
+fn the_emulated_nccl_group_runs_across_processes_and_names_the_rank_that_stopped() {
+    for exit in ["0", "1"] {
+        let env = [
+            ("COHORT_TEST_SKIP", "2"),
+            ("COHORT_TEST_EXIT", exit),
+            ("COHORT_TIMEOUT_MS", "1500"),
+            ("COHORT_STATUS_INTERVAL_MS", "50"),
+            ("COHORT_HEARTBEAT_TIMEOUT_SEC", "0"),
+        ];
+        let lines = start(3, "nccl-emu", &env).finish(Duration::from_secs(60));
+        for r in 0..3 {
+            assert_eq!(line_of(&lines, r, "sum"), "sum [3.0, 3.0]", "{lines:?}");
+        }
+        for r in 0..2 {
+            let line = line_of(&lines, r, "failed");
+            assert!(line.starts_with("failed culprit Some(2) ::"), "exit {exit}: {line}");
+            assert!(line.contains("timed out"), "exit {exit}: {line}");
+        }
+    }
+}

@@ -18,6 +18,18 @@ fn main() -> ExitCode {
     if scenario == "store-server" {
         return store_server();
     }
+    if scenario == "nccl-emu" {
+        return match nccl_emu() {
+            Ok(()) => {
+                println!("ok {scenario}");
+                ExitCode::SUCCESS
+            }
+            Err(e) => {
+                println!("error {e}");
+                ExitCode::from(1)
+            }
+        };
+    }
     let pg = match init_process_group() {
         Ok(pg) => pg,
         Err(e) => {
@@ -220,4 +232,63 @@ fn store_gone(pg: &ProcessGroup) -> Result<(), String> {
     }
     println!("collectives ok without the store");
     wait_for_last(pg)
+}
+
+/// The NCCL process group on the emulated device, across real processes: the fabric runs over
+/// the TCPStore that rank 0 hosts on `MASTER_PORT`. Every rank allreduces once and prints the
+/// sum; then the ranks in `COHORT_TEST_SKIP` exit (`COHORT_TEST_EXIT=1`, as a crashed process)
+/// or sleep 5 s, and the others report how their second allreduce failed.
+fn nccl_emu() -> Result<(), String> {
+    use std::sync::Arc;
+
+    use cohort_transports::nccl::emu::{EmuConfig, EmuDevice, StoreFabric};
+    use cohort_transports::nccl::{NcclOptions, NcclProcessGroup};
+    use cohort_transports::{Store, TcpStore, TcpStoreConfig, TcpStoreServer, TcpStoreServerConfig, TokioNet};
+
+    let var = |n: &str| std::env::var(n).map_err(|_| format!("{n} is not set"));
+    let port: u16 = var("MASTER_PORT")?.parse().map_err(|e| format!("MASTER_PORT: {e}"))?;
+    let rank: u32 = var("RANK")?.parse().map_err(|e| format!("RANK: {e}"))?;
+    let world: u32 = var("WORLD_SIZE")?.parse().map_err(|e| format!("WORLD_SIZE: {e}"))?;
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .map_err(|e| e.to_string())?;
+    let _server = if rank == 0 {
+        let bind = std::net::SocketAddr::from(([127, 0, 0, 1], port));
+        Some(rt.block_on(TcpStoreServer::bind(TokioNet, TcpStoreServerConfig::new(bind))).map_err(|e| e.to_string())?)
+    } else {
+        None
+    };
+    let connect = || -> Result<Arc<dyn Store>, String> {
+        let cfg = TcpStoreConfig::new("127.0.0.1", port).with_connect_timeout(Duration::from_secs(20));
+        Ok(Arc::new(rt.block_on(TcpStore::connect(cfg)).map_err(|e| e.to_string())?))
+    };
+    // The fabric's polls get a connection of their own (a TcpStore client runs one call at a time).
+    let (store, fabric) = (connect()?, connect()?);
+    let mut cfg = EmuConfig::new(rt.handle().clone(), StoreFabric::new(fabric));
+    cfg.ordinal = rank as usize;
+    let device = Arc::new(EmuDevice::new(cfg));
+    let opts = NcclOptions::from_env().map_err(|e| e.to_string())?;
+    let pg = rt
+        .block_on(NcclProcessGroup::new(device, store, "mp", rank, world, opts, rt.handle().clone()))
+        .map_err(|e| format!("init: {e}"))?;
+    let t = pg.to_device(&Tensor::from_slice(&[rank as f32, 1.0])).map_err(|e| e.to_string())?;
+    pg.allreduce(&t, ReduceOp::Sum).map_err(|e| e.to_string())?.wait().map_err(|e| e.to_string())?;
+    let sum = pg.to_host(&t).map_err(|e| e.to_string())?.to_vec::<f32>().map_err(|e| e.to_string())?;
+    println!("sum {sum:?}");
+    if skipped().contains(&rank) {
+        if std::env::var("COHORT_TEST_EXIT").is_ok_and(|v| v == "1") {
+            std::process::exit(0);
+        }
+        std::thread::sleep(Duration::from_secs(5));
+        return Ok(());
+    }
+    match pg.allreduce(&t, ReduceOp::Sum).map_err(|e| e.to_string())?.wait() {
+        Ok(()) => Err("the second allreduce completed without the skipping rank".into()),
+        Err(e) => {
+            println!("failed culprit {:?} :: {e}", e.culprit().map(|r| r.0));
+            Ok(())
+        }
+    }
 }
