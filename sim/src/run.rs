@@ -23,7 +23,7 @@ use serde::{Deserialize, Serialize};
 use crate::net::TurmoilNet;
 use crate::plan::{Change, DeviceFault, Fault, FaultPlan, Trigger};
 use crate::workload::{Script, ScriptOp, Step, check, submit};
-use cohort_core::tensor::DType;
+use cohort_core::tensor::{DType, Tensor};
 
 /// The port the simulated store listens on.
 pub const STORE_PORT: u16 = 29500;
@@ -871,15 +871,15 @@ impl RankCtx {
         pg.shutdown_async().await;
     }
 
-    async fn run_script(&self, pg: &ProcessGroup, script: &Script) -> Fate {
-        let mut in_flight: VecDeque<(usize, Step, Work, u64)> = VecDeque::new();
+    async fn run_script<G: SimGroup>(&self, pg: &G, script: &Script) -> Fate {
+        let mut in_flight: VecDeque<InFlight<G::Pending>> = VecDeque::new();
         let mut first_error: Option<String> = None;
         for (k, &step) in script.steps.iter().enumerate() {
             // Wait as a caller with `window` works in flight would, before anything else
             // happens at this step.
             while in_flight.len() >= script.window {
                 let Some(w) = in_flight.pop_front() else { break };
-                if let Err(e) = self.finish(w).await {
+                if let Err(e) = self.finish(pg, w).await {
                     first_error.get_or_insert(e);
                 }
             }
@@ -894,17 +894,22 @@ impl RankCtx {
             if self.faults.hang_at == Some(k) {
                 while let Some(w) = in_flight.pop_front() {
                     // An earlier failure is in the outcomes already; the rank hangs either way.
-                    let _ = self.finish(w).await;
+                    let _ = self.finish(pg, w).await;
                 }
                 return self.hang(pg, k).await;
             }
             if let Some(d) = self.faults.slow {
                 tokio::time::sleep(d).await;
             }
+            for &(c, kind) in &self.faults.device {
+                if c == k {
+                    pg.inject(kind);
+                }
+            }
             let call = self.faults.apply(k, step);
             let submitted_ms = sim_ms();
-            match submit(pg, &call) {
-                Ok(work) => in_flight.push_back((k, call, work, submitted_ms)),
+            match pg.submit(&call) {
+                Ok((work, pending)) => in_flight.push_back((k, call, work, submitted_ms, pending)),
                 Err(e) => {
                     self.slot().works.push(WorkOutcome {
                         step: k,
@@ -922,7 +927,7 @@ impl RankCtx {
             }
         }
         while let Some(w) = in_flight.pop_front() {
-            if let Err(e) = self.finish(w).await {
+            if let Err(e) = self.finish(pg, w).await {
                 first_error.get_or_insert(e);
             }
         }
@@ -934,7 +939,11 @@ impl RankCtx {
 
     /// Wait for one work and record its outcome (a placeholder first, so that a work still
     /// running when the simulation stops is reported as unfinished).
-    async fn finish(&self, (k, call, work, submitted_ms): (usize, Step, Work, u64)) -> Result<(), String> {
+    async fn finish<G: SimGroup>(
+        &self,
+        pg: &G,
+        (k, call, work, submitted_ms, pending): InFlight<G::Pending>,
+    ) -> Result<(), String> {
         let index = {
             let mut slot = self.slot();
             slot.works.push(WorkOutcome {
@@ -950,14 +959,17 @@ impl RankCtx {
             slot.works.len() - 1
         };
         let result = work.clone().await;
-        let ended_ms = sim_ms();
-        let (outcome, error, culprit) = match &result {
-            Ok(outputs) => match check(&call, self.rank, self.cfg.world_size, outputs) {
-                Ok(()) => (Outcome::Completed, None, None),
-                Err(e) => (Outcome::Wrong, Some(format!("wrong result: {e}")), None),
+        let (outcome, error, culprit) = match result {
+            Ok(outputs) => match pg.outputs(pending, outputs).await {
+                Ok(outputs) => match check(&call, self.rank, self.cfg.world_size, &outputs) {
+                    Ok(()) => (Outcome::Completed, None, None),
+                    Err(e) => (Outcome::Wrong, Some(format!("wrong result: {e}")), None),
+                },
+                Err(e) => (Outcome::Failed, Some(e), None),
             },
             Err(e) => (Outcome::of(work.state()), Some(e.to_string()), e.culprit().map(|r| r.0)),
         };
+        let ended_ms = sim_ms();
         let mut slot = self.slot();
         let w = &mut slot.works[index];
         w.outcome = outcome;
@@ -972,15 +984,55 @@ impl RankCtx {
 
     /// Stay alive without calling collective `k`: wait until the group learns of a failure
     /// (its peers time out and publish it), as a hung process would be told by its launcher.
-    async fn hang(&self, pg: &ProcessGroup, k: usize) -> Fate {
+    async fn hang<G: SimGroup>(&self, pg: &G, k: usize) -> Fate {
         self.slot().fate = Some(Fate::Hung { collective: k, learned: None });
         loop {
             if let Some(f) = pg.failure() {
-                let learned = f.message.clone();
                 self.slot().dump = Some(pg.flight_recorder_json());
-                return Fate::Hung { collective: k, learned: Some(learned) };
+                return Fate::Hung { collective: k, learned: Some(f.message) };
             }
             tokio::time::sleep(Duration::from_millis(100)).await;
         }
+    }
+}
+
+/// A work in flight in a script: its step, the call as made, the work, when it was submitted,
+/// and what the backend needs to read its results.
+type InFlight<P> = (usize, Step, Work, u64, P);
+
+/// What a script needs of a rank's process group, on either backend.
+trait SimGroup {
+    /// What reading a work's results back needs (device tensors on NCCL).
+    type Pending;
+    /// Submit `step`.
+    fn submit(&self, step: &Step) -> Result<(Work, Self::Pending), String>;
+    /// The results of a work that succeeded, as host tensors (`from_work`: what the work
+    /// itself returned).
+    async fn outputs(&self, pending: Self::Pending, from_work: Vec<Tensor>) -> Result<Vec<Tensor>, String>;
+    /// The group's first failure.
+    fn failure(&self) -> Option<cohort_core::group::GroupFailure>;
+    /// The flight recorder.
+    fn flight_recorder_json(&self) -> String;
+    /// Arm a device fault for the next collective (only the NCCL backend has a device).
+    fn inject(&self, _fault: DeviceFault) {}
+}
+
+impl SimGroup for ProcessGroup {
+    type Pending = ();
+
+    fn submit(&self, step: &Step) -> Result<(Work, ()), String> {
+        submit(self, step).map(|w| (w, ()))
+    }
+
+    async fn outputs(&self, (): (), from_work: Vec<Tensor>) -> Result<Vec<Tensor>, String> {
+        Ok(from_work)
+    }
+
+    fn failure(&self) -> Option<cohort_core::group::GroupFailure> {
+        ProcessGroup::failure(self)
+    }
+
+    fn flight_recorder_json(&self) -> String {
+        ProcessGroup::flight_recorder_json(self)
     }
 }

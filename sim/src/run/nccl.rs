@@ -3,7 +3,6 @@
 //! diagnosis as on TCP; device faults are injected into the rank's emulated communicator
 //! right before the collective they name.
 
-use std::collections::VecDeque;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -14,18 +13,15 @@ use cohort_transports::nccl::emu::{EmuConfig, EmuDevice, EmuFault, StoreFabric};
 use cohort_transports::nccl::{DeviceTensor, NcclOptions, NcclProcessGroup, NcclResult};
 use cohort_transports::{Store, TcpStore, TcpStoreConfig, Work};
 
-use super::{Fate, Outcome, RankCtx, STORE_HOST, STORE_PORT, WALL_CLOCK_START_NS, WorkEvent, WorkOutcome, sim_ms};
+use super::{Fate, RankCtx, STORE_HOST, STORE_PORT, SimGroup, WALL_CLOCK_START_NS, WorkEvent, sim_ms};
 use crate::net::TurmoilNet;
 use crate::plan::{DeviceFault, SLOW_KERNEL_MS};
-use crate::workload::{ScriptOp, Step, check, input};
+use crate::workload::{ScriptOp, Step, input};
 
 /// A rank's NCCL group in the simulator.
 pub(super) type Pg = NcclProcessGroup<EmuDevice>;
 
 type Dev = DeviceTensor<EmuDevice>;
-
-/// A work in flight: its step, the call as made, the work, when, and the tensors to read back.
-type InFlight = (usize, Step, Work, u64, Vec<Dev>);
 
 impl RankCtx {
     async fn store(&self) -> Result<Arc<dyn Store>, String> {
@@ -80,7 +76,7 @@ impl RankCtx {
             slot.joined_ms = Some(sim_ms());
         }
         let fate = match &cfg.workload {
-            super::Workload::Script(script) => self.run_script_nccl(&pg, script).await,
+            super::Workload::Script(script) => self.run_script(&pg, script).await,
             super::Workload::Custom { .. } => {
                 Fate::Failed { error: "code workloads run on the TCP backend only".into() }
             }
@@ -92,135 +88,39 @@ impl RankCtx {
         self.slot().dump = Some(pg.flight_recorder_json());
         self.end(fate);
     }
+}
 
-    async fn run_script_nccl(&self, pg: &Pg, script: &crate::workload::Script) -> Fate {
-        let mut in_flight: VecDeque<InFlight> = VecDeque::new();
-        let mut first_error: Option<String> = None;
-        for (k, &step) in script.steps.iter().enumerate() {
-            while in_flight.len() >= script.window {
-                let Some(w) = in_flight.pop_front() else { break };
-                if let Err(e) = self.finish_nccl(pg, w).await {
-                    first_error.get_or_insert(e);
-                }
-            }
-            if first_error.is_some() {
-                break;
-            }
-            if self.faults.crash_at_collective == Some(k) {
-                self.slot().crash_requested = true;
-                std::future::pending::<()>().await;
-            }
-            if self.faults.hang_at == Some(k) {
-                while let Some(w) = in_flight.pop_front() {
-                    let _ = self.finish_nccl(pg, w).await;
-                }
-                return self.hang_nccl(pg, k).await;
-            }
-            if let Some(d) = self.faults.slow {
-                tokio::time::sleep(d).await;
-            }
-            for &(c, kind) in &self.faults.device {
-                if c == k
-                    && let Some(comm) = pg.comm_handle()
-                {
-                    comm.inject(match kind {
-                        DeviceFault::KernelHang => EmuFault::KernelHang,
-                        DeviceFault::NcclError => EmuFault::AsyncError(NcclResult::RemoteError),
-                        DeviceFault::SlowKernel => EmuFault::SlowKernel(Duration::from_millis(SLOW_KERNEL_MS)),
-                    });
-                }
-            }
-            let call = self.faults.apply(k, step);
-            let submitted_ms = sim_ms();
-            match submit(pg, &call) {
-                Ok((work, outputs)) => in_flight.push_back((k, call, work, submitted_ms, outputs)),
-                Err(e) => {
-                    self.slot().works.push(WorkOutcome {
-                        step: k,
-                        call: call.to_string(),
-                        seq: None,
-                        outcome: Outcome::Refused,
-                        error: Some(e.clone()),
-                        culprit: pg.failure().and_then(|f| f.culprit).map(|r| r.0),
-                        submitted_ms,
-                        ended_ms: Some(submitted_ms),
-                    });
-                    first_error.get_or_insert(e);
-                    break;
-                }
-            }
-        }
-        while let Some(w) = in_flight.pop_front() {
-            if let Err(e) = self.finish_nccl(pg, w).await {
-                first_error.get_or_insert(e);
-            }
-        }
-        match first_error {
-            None => Fate::Finished,
-            Some(error) => Fate::Failed { error },
-        }
+impl SimGroup for Pg {
+    type Pending = Vec<Dev>;
+
+    fn submit(&self, step: &Step) -> Result<(Work, Vec<Dev>), String> {
+        submit(self, step)
     }
 
-    async fn finish_nccl(&self, pg: &Pg, (k, call, work, submitted_ms, outputs): InFlight) -> Result<(), String> {
-        let index = {
-            let mut slot = self.slot();
-            slot.works.push(WorkOutcome {
-                step: k,
-                call: call.to_string(),
-                seq: Some(work.seq().0),
-                outcome: Outcome::Unfinished,
-                error: None,
-                culprit: None,
-                submitted_ms,
-                ended_ms: None,
+    /// Reads the device tensors back (on tokio's clock, the simulator's).
+    async fn outputs(&self, pending: Vec<Dev>, _from_work: Vec<Tensor>) -> Result<Vec<Tensor>, String> {
+        let mut host = Vec::with_capacity(pending.len());
+        for t in &pending {
+            host.push(self.to_host_async(t).await.map_err(|e| format!("reading the result back failed: {e}"))?);
+        }
+        Ok(host)
+    }
+
+    fn failure(&self) -> Option<cohort_core::group::GroupFailure> {
+        NcclProcessGroup::failure(self)
+    }
+
+    fn flight_recorder_json(&self) -> String {
+        NcclProcessGroup::flight_recorder_json(self)
+    }
+
+    fn inject(&self, fault: DeviceFault) {
+        if let Some(comm) = self.comm_handle() {
+            comm.inject(match fault {
+                DeviceFault::KernelHang => EmuFault::KernelHang,
+                DeviceFault::NcclError => EmuFault::AsyncError(NcclResult::RemoteError),
+                DeviceFault::SlowKernel => EmuFault::SlowKernel(Duration::from_millis(SLOW_KERNEL_MS)),
             });
-            slot.works.len() - 1
-        };
-        let result = work.clone().await;
-        let (outcome, error, culprit) = match &result {
-            Ok(_) => {
-                let mut host: Vec<Tensor> = Vec::with_capacity(outputs.len());
-                let mut read_error = None;
-                for t in &outputs {
-                    match pg.to_host_async(t).await {
-                        Ok(h) => host.push(h),
-                        Err(e) => {
-                            read_error = Some(format!("reading the result back failed: {e}"));
-                            break;
-                        }
-                    }
-                }
-                match read_error {
-                    Some(e) => (Outcome::Failed, Some(e), None),
-                    None => match check(&call, self.rank, self.cfg.world_size, &host) {
-                        Ok(()) => (Outcome::Completed, None, None),
-                        Err(e) => (Outcome::Wrong, Some(format!("wrong result: {e}")), None),
-                    },
-                }
-            }
-            Err(e) => (Outcome::of(work.state()), Some(e.to_string()), e.culprit().map(|r| r.0)),
-        };
-        let ended_ms = sim_ms();
-        let mut slot = self.slot();
-        let w = &mut slot.works[index];
-        w.outcome = outcome;
-        w.error = error.clone();
-        w.culprit = culprit;
-        w.ended_ms = Some(ended_ms);
-        match error {
-            None => Ok(()),
-            Some(e) => Err(e),
-        }
-    }
-
-    async fn hang_nccl(&self, pg: &Pg, k: usize) -> Fate {
-        self.slot().fate = Some(Fate::Hung { collective: k, learned: None });
-        loop {
-            if let Some(f) = pg.failure() {
-                self.slot().dump = Some(pg.flight_recorder_json());
-                return Fate::Hung { collective: k, learned: Some(f.message) };
-            }
-            tokio::time::sleep(Duration::from_millis(100)).await;
         }
     }
 }
