@@ -1,15 +1,19 @@
 #!/usr/bin/env bash
 # GPU tests of the NCCL backend (feature `nccl`): the tests in transports/src/nccl/cuda.rs that a
 # plain `cargo test` reports as ignored because they need a GPU (the device conformance suite on
-# CUDA, a real stream hang ended by abort, non-blocking init and split, the NCCL version gates).
+# CUDA, a real stream hang ended by abort, non-blocking init and split, the NCCL version gates),
+# then `cohort bench --transport nccl` on one GPU (every collective size checked).
 #
 #   scripts/gpu-tests.sh          build, then run: one go on a GPU machine with a Rust toolchain
-#   scripts/gpu-tests.sh build    build the test binary with --features nccl and copy it to gpu-bin/
+#   scripts/gpu-tests.sh build    build the test binary and the cohort binary (release) with
+#                                 --features nccl and copy them to gpu-bin/
 #                                 (no GPU needed: build here, copy gpu-bin/ to the GPU machine)
-#   scripts/gpu-tests.sh run      run gpu-bin/cohort_transports-tests on the GPU machine
+#   scripts/gpu-tests.sh run      run gpu-bin/cohort_transports-tests, then
+#                                 gpu-bin/cohort bench --transport nccl --ranks 1, on the GPU machine
 #
-# `run` fails (exit 1) when no GPU or driver is visible, when CUDA or NCCL cannot be loaded, or
-# when any test fails: a GPU test that could not run is never counted as passed.
+# `run` fails (exit 1) when no GPU or driver is visible, when CUDA or NCCL cannot be loaded, when
+# any test fails, or when the benchmark fails (or finds a wrong result): a GPU test that could not
+# run is never counted as passed.
 #
 # NCCL: cudarc dlopens `libnccl.so`, not NCCL's soname `libnccl.so.2`. Set NCCL_LIB to NCCL's
 # library file (for example .../site-packages/nvidia/nccl/lib/libnccl.so.2). When it is unset the
@@ -20,29 +24,48 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 
 BIN=gpu-bin/cohort_transports-tests
+COHORT=gpu-bin/cohort
 FILTER=nccl::cuda::tests::
 PROBE=nccl::cuda::tests::gpu_probe_finds_cuda_nccl_and_a_device
+# One GPU: world size 1, every size from 8 B to 64 MiB checked against the reference.
+BENCH=(bench --transport nccl --ranks 1 -b 8 -e 64M -f 8 -n 20 -w 5)
+
+# Reads cargo's JSON messages on stdin; prints the path of the last executable built for target $1.
+executable() {
+    python3 -c 'import json, sys
+for line in sys.stdin:
+    m = json.loads(line)
+    if m.get("reason") == "compiler-artifact" and m.get("executable") and m["target"]["name"] == sys.argv[1]:
+        print(m["executable"])' "$1" | tail -1
+}
+
+# Copies executable $1 to $2 without its debug info.
+install_bin() {
+    mkdir -p "$(dirname "$2")"
+    cp "$1" "$2"
+    # Debug info is most of a binary (about 90 of the test binary's 95 MB): drop it so gpu-bin/
+    # travels light. Function names stay, so backtraces still say where a test failed.
+    if command -v strip >/dev/null; then
+        strip --strip-debug "$2"
+    fi
+    echo "built $2 ($(du -h "$2" | cut -f1))"
+}
 
 build() {
     local bin
     bin=$(cargo test -p cohort-transports --features nccl --lib --no-run --message-format=json |
-        python3 -c 'import json, sys
-for line in sys.stdin:
-    m = json.loads(line)
-    if m.get("reason") == "compiler-artifact" and m.get("executable") and m["target"]["name"] == "cohort_transports":
-        print(m["executable"])' | tail -1)
+        executable cohort_transports)
     if [[ -z "$bin" ]]; then
         echo "the build produced no cohort_transports test binary" >&2
         exit 1
     fi
-    mkdir -p gpu-bin
-    cp "$bin" "$BIN"
-    # Debug info is most of the binary (about 90 of 95 MB): drop it so gpu-bin/ travels light.
-    # Function names stay, so backtraces still say where a test failed.
-    if command -v strip >/dev/null; then
-        strip --strip-debug "$BIN"
+    install_bin "$bin" "$BIN"
+    bin=$(cargo build --release -p cohort-cli --features nccl --bin cohort --message-format=json | executable cohort)
+    if [[ -z "$bin" ]]; then
+        echo "the build produced no cohort binary" >&2
+        exit 1
     fi
-    echo "built $BIN ($(du -h "$BIN" | cut -f1))"
+    install_bin "$bin" "$COHORT"
 }
 
 # Prints the path of NCCL's shared library, or nothing.
@@ -83,10 +106,13 @@ run_tests() {
 }
 
 run() {
-    if [[ ! -x "$BIN" ]]; then
-        echo "$BIN is missing: run '$0 build' first" >&2
-        exit 1
-    fi
+    local exe
+    for exe in "$BIN" "$COHORT"; do
+        if [[ ! -x "$exe" ]]; then
+            echo "$exe is missing: run '$0 build' first" >&2
+            exit 1
+        fi
+    done
     if ! command -v nvidia-smi >/dev/null || ! nvidia-smi -L; then
         echo "no GPU here (nvidia-smi -L failed): the GPU tests were skipped, not passed" >&2
         exit 1
@@ -131,6 +157,13 @@ run() {
         exit 1
     fi
     echo "GPU tests passed: $passed (of which $expected need the GPU)"
+
+    echo "$COHORT ${BENCH[*]}"
+    if ! "$COHORT" "${BENCH[@]}"; then
+        echo "cohort bench --transport nccl FAILED (see above)" >&2
+        exit 1
+    fi
+    echo "cohort bench --transport nccl passed"
 }
 
 case "${1:-all}" in

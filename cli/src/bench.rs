@@ -3,6 +3,10 @@
 //! Without `RANK`/`WORLD_SIZE` in the environment it starts `--ranks` local processes (this
 //! executable, same arguments) and rank 0 prints the table; under `cohort launch` or torchrun
 //! it runs as the one rank the environment names, so the same command measures across machines.
+//!
+//! The sweep, the table and the checks are shared; a `Backend` runs the op. TCP (`Tcp`) waits
+//! for each iteration before the next; NCCL (`nccl::Nccl`, feature `nccl`, one CUDA device per
+//! rank) enqueues every iteration first and waits once, as nccl-tests does.
 
 use std::io::{BufRead, BufReader, Write};
 use std::process::{Command, Stdio};
@@ -20,7 +24,10 @@ use cohort_transports::ProcessGroup;
     cohort launch -n 2 -- cohort bench -o broadcast -b 1M -e 1M   # one rank per launched process\n\n\
     Columns as nccl-tests: time is the mean per iteration (the slowest rank's), algbw = size / time,\n\
     busbw = algbw × the op's bus factor (allreduce 2(n-1)/n; allgather, reduce_scatter, alltoall\n\
-    (n-1)/n; broadcast, reduce, sendrecv 1).")]
+    (n-1)/n; broadcast, reduce, sendrecv 1).\n\n\
+    --transport nccl (a build with --features nccl): each rank on CUDA device LOCAL_RANK modulo the\n\
+    devices visible (or COHORT_CUDA_DEVICE); every iteration is enqueued before the wait, and\n\
+    --json's times_us are the device's (CUDA event) times.")]
 pub(crate) struct BenchArgs {
     /// Smallest size in bytes (K, M, G suffixes: powers of 1024).
     #[arg(short = 'b', long = "minbytes", default_value = "8", value_parser = parse_size)]
@@ -187,14 +194,26 @@ pub(crate) fn run(args: BenchArgs) -> Result<i32, String> {
     if args.min_bytes > args.max_bytes {
         return Err(format!("-b {} is larger than -e {}", args.min_bytes, args.max_bytes));
     }
+    #[cfg(not(feature = "nccl"))]
     if args.transport == Transport::Nccl {
-        return Err("--transport nccl: NCCL backend unavailable: this build of cohort has no NCCL support".into());
+        return Err("--transport nccl: NCCL backend unavailable: this build of cohort has no NCCL support \
+                    (build it with --features nccl)"
+            .into());
     }
     if args.op.reduces() && args.dtype == DType::Bool && args.redop == ReduceOp::Avg {
         return Err("-r avg is not defined for -d bool".into());
     }
-    match (std::env::var("RANK"), std::env::var("WORLD_SIZE")) {
-        (Ok(_), Ok(_)) => run_rank(&args),
+    let in_rank = std::env::var("RANK").is_ok() && std::env::var("WORLD_SIZE").is_ok();
+    match args.transport {
+        Transport::Tcp if in_rank => run_tcp_rank(&args),
+        #[cfg(feature = "nccl")]
+        Transport::Nccl if in_rank => nccl::run_rank(&args),
+        #[cfg(feature = "nccl")]
+        Transport::Nccl => {
+            // Here rather than in every rank: one clear line when this machine has no GPU.
+            nccl::check_local_devices(args.ranks)?;
+            spawn_ranks(&args)
+        }
         _ => spawn_ranks(&args),
     }
 }
@@ -284,6 +303,64 @@ fn spawn_ranks(args: &BenchArgs) -> Result<i32, String> {
     Ok(code)
 }
 
+/// What the sweep needs from a backend. Every rank calls the methods in the same order: each
+/// runs collectives.
+trait Backend {
+    /// The backend's name in the header and in the JSON rows.
+    fn name(&self) -> &'static str;
+    /// This rank.
+    fn rank(&self) -> u32;
+    /// Number of ranks.
+    fn world_size(&self) -> u32;
+    /// A header line about this rank's device, if it has one.
+    fn describe(&self) -> Option<String> {
+        None
+    }
+    /// `args.warmup` untimed iterations, then `args.iters` timed ones, each of `args.inflight`
+    /// works on buffers of `shape`: this rank's times.
+    fn time(&mut self, args: &BenchArgs, shape: Shape) -> Result<Timing, String>;
+    /// One iteration on fresh inputs: each work's result, on the host.
+    fn outputs(&mut self, args: &BenchArgs, shape: Shape) -> Result<Vec<Tensor>, String>;
+    /// The largest `v` of all ranks.
+    fn max(&self, v: f64) -> Result<f64, String>;
+    /// The sum of `v` over all ranks.
+    fn sum(&self, v: u64) -> Result<u64, String>;
+}
+
+/// One rank's times for one size, µs per work.
+#[derive(Debug)]
+struct Timing {
+    /// Every timed iteration's time.
+    times_us: Vec<f64>,
+    /// The mean over all timed iterations.
+    mean_us: f64,
+}
+
+/// The element counts of one size.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct Shape {
+    /// Elements of the op's whole buffer (allgather's output, reduce_scatter's input), rounded
+    /// down to whole per-rank pieces; 0 for barrier.
+    count: usize,
+    /// Elements of each rank's input (allgather's is one rank's piece).
+    in_count: usize,
+    /// Elements of each rank's output (reduce_scatter's is one rank's piece).
+    out_count: usize,
+}
+
+impl Shape {
+    fn new(args: &BenchArgs, n: u32, size: usize) -> Shape {
+        let align = args.op.align(n);
+        let count = if args.op == BenchOp::Barrier { 0 } else { size / args.dtype.size() / align * align };
+        let piece = count / n as usize;
+        Shape {
+            count,
+            in_count: if args.op == BenchOp::Allgather { piece } else { count },
+            out_count: if args.op == BenchOp::ReduceScatter { piece } else { count },
+        }
+    }
+}
+
 /// One size's figures.
 #[derive(Debug)]
 struct Row {
@@ -296,17 +373,46 @@ struct Row {
     wrong: u64,
 }
 
-fn run_rank(args: &BenchArgs) -> Result<i32, String> {
-    let pg = cohort_transports::tcp::init_process_group().map_err(|e| format!("init_process_group: {e}"))?;
-    let n = pg.world_size();
+/// The sweep over sizes on any backend; rank 0 writes the table (or the JSON rows) to `out`.
+/// Returns the exit code: 1 when a result was wrong.
+fn sweep(b: &mut impl Backend, args: &BenchArgs, out: &mut dyn Write) -> Result<i32, String> {
+    let n = b.world_size();
     if args.op.rooted() && args.root >= n {
         return Err(format!("--root {} is not a rank of a {n}-rank group", args.root));
     }
-    let me = pg.rank().0;
-    let print = me == 0;
-    if print && !args.json {
-        header(args, n);
+    let print = b.rank() == 0;
+    let mut emit = |text: &str| -> Result<(), String> {
+        if !print {
+            return Ok(());
+        }
+        out.write_all(text.as_bytes()).and_then(|()| out.flush()).map_err(|e| format!("cannot write the results: {e}"))
+    };
+    if !args.json {
+        emit(&header(args, n, b.name(), b.describe().as_deref()))?;
     }
+    let mut total_wrong = 0;
+    let mut busbw_sum = 0.0;
+    let mut rows = 0;
+    for size in sizes(args) {
+        let row = bench_size(b, args, size as usize)?;
+        total_wrong += row.wrong;
+        let secs = row.mean_us / 1e6;
+        let algbw = if secs > 0.0 { row.bytes as f64 / secs / 1e9 } else { 0.0 };
+        let busbw = algbw * args.op.bus_factor(n);
+        busbw_sum += busbw;
+        rows += 1;
+        emit(&row_text(args, n, b.name(), &row, algbw, busbw))?;
+    }
+    if !args.json {
+        let verdict = if total_wrong == 0 { "OK" } else { "FAILED" };
+        let avg = if rows > 0 { busbw_sum / f64::from(rows) } else { 0.0 };
+        emit(&format!("# Out of bounds values : {total_wrong} {verdict}\n# Avg bus bandwidth    : {avg:.4} \n#\n"))?;
+    }
+    Ok(if total_wrong > 0 { 1 } else { 0 })
+}
+
+/// The sizes of the rows, in bytes: from `-b`, times `-f`, up to `-e` (one row for barrier).
+fn sizes(args: &BenchArgs) -> Vec<u64> {
     let mut sizes = Vec::new();
     let mut s = args.min_bytes;
     loop {
@@ -320,63 +426,46 @@ fn run_rank(args: &BenchArgs) -> Result<i32, String> {
             _ => break,
         }
     }
-    let mut total_wrong = 0;
-    let mut busbw_sum = 0.0;
-    let mut rows = 0;
-    for size in sizes {
-        let row = bench_size(&pg, args, size as usize)?;
-        total_wrong += row.wrong;
-        let secs = row.mean_us / 1e6;
-        let algbw = if secs > 0.0 { row.bytes as f64 / secs / 1e9 } else { 0.0 };
-        let busbw = algbw * args.op.bus_factor(n);
-        busbw_sum += busbw;
-        rows += 1;
-        if print {
-            let root = if args.op.rooted() { args.root as i64 } else { -1 };
-            let redop = if args.op.reduces() { redop_name(args.redop) } else { "none" };
-            if args.json {
-                let mut sorted = row.times_us.clone();
-                sorted.sort_by(f64::total_cmp);
-                let median = sorted.get(sorted.len() / 2).copied().unwrap_or(0.0);
-                let obj = serde_json::json!({
-                    "op": args.op.name(), "ranks": n, "transport": "tcp", "inflight": args.inflight,
-                    "size": row.bytes, "count": row.count, "type": type_name(args.dtype), "redop": redop, "root": root,
-                    "time_us": row.mean_us, "median_us": median, "algbw": algbw, "busbw": busbw,
-                    "wrong": if args.check == 1 { Some(row.wrong) } else { None },
-                    "times_us": row.times_us,
-                });
-                println!("{obj}");
-            } else {
-                let wrong = if args.check == 1 { row.wrong.to_string() } else { "N/A".into() };
-                println!(
-                    "{:>12}  {:>12}  {:>8}  {:>6}  {:>6}  {:>9.2}  {:>7.3}  {:>7.3}  {:>6}",
-                    row.bytes,
-                    row.count,
-                    type_name(args.dtype),
-                    redop,
-                    root,
-                    row.mean_us,
-                    algbw,
-                    busbw,
-                    wrong
-                );
-            }
-            let _ = std::io::stdout().flush();
-        }
-    }
-    if print && !args.json {
-        let verdict = if total_wrong == 0 { "OK" } else { "FAILED" };
-        println!("# Out of bounds values : {total_wrong} {verdict}");
-        println!("# Avg bus bandwidth    : {:.4} ", if rows > 0 { busbw_sum / f64::from(rows) } else { 0.0 });
-        println!("#");
-    }
-    pg.shutdown();
-    Ok(if total_wrong > 0 { 1 } else { 0 })
+    sizes
 }
 
-fn header(args: &BenchArgs, n: u32) {
-    println!(
-        "# cohort bench: {} over {} ranks (tcp), {} iters, {} warmup iters, {} in flight, check {}",
+/// One size: time it, take the slowest rank's mean, and check one more iteration.
+fn bench_size(b: &mut impl Backend, args: &BenchArgs, size: usize) -> Result<Row, String> {
+    let n = b.world_size();
+    let shape = Shape::new(args, n, size);
+    let timing = b.time(args, shape)?;
+    let mean_us = b.max(timing.mean_us)?;
+    let mut wrong = 0;
+    if args.check == 1 && args.op != BenchOp::Barrier {
+        let got = b.outputs(args, shape)?;
+        wrong = b.sum(count_wrong(args.dtype, &got, &expected(args, n, b.rank(), shape.count)))?;
+    }
+    let bytes = shape.count * args.dtype.size();
+    Ok(Row { bytes, count: shape.count, times_us: timing.times_us, mean_us, wrong })
+}
+
+/// Elements of `got` (one tensor per work) that differ from `want`; a tensor of the wrong
+/// length is wrong throughout. Nothing is wrong when nothing is expected.
+fn count_wrong(dtype: DType, got: &[Tensor], want: &[f64]) -> u64 {
+    if want.is_empty() {
+        return 0;
+    }
+    got.iter()
+        .map(Tensor::to_f64s)
+        .map(|got| {
+            if got.len() != want.len() {
+                want.len() as u64
+            } else {
+                got.iter().zip(want).filter(|(g, w)| !close(dtype, **g, **w)).count() as u64
+            }
+        })
+        .sum()
+}
+
+/// The table's header (nccl-tests' columns).
+fn header(args: &BenchArgs, n: u32, backend: &str, device: Option<&str>) -> String {
+    let mut text = format!(
+        "# cohort bench: {} over {} ranks ({backend}), {} iters, {} warmup iters, {} in flight, check {}\n",
         args.op.name(),
         n,
         args.iters,
@@ -384,15 +473,52 @@ fn header(args: &BenchArgs, n: u32) {
         args.inflight,
         args.check
     );
-    println!("#");
-    println!(
-        "# {:>10}  {:>12}  {:>8}  {:>6}  {:>6}  {:>9}  {:>7}  {:>7}  {:>6}",
+    if let Some(device) = device {
+        text += &format!("# {device}\n");
+    }
+    text += "#\n";
+    text += &format!(
+        "# {:>10}  {:>12}  {:>8}  {:>6}  {:>6}  {:>9}  {:>7}  {:>7}  {:>6}\n",
         "size", "count", "type", "redop", "root", "time", "algbw", "busbw", "#wrong"
     );
-    println!(
-        "# {:>10}  {:>12}  {:>8}  {:>6}  {:>6}  {:>9}  {:>7}  {:>7}  {:>6}",
+    text += &format!(
+        "# {:>10}  {:>12}  {:>8}  {:>6}  {:>6}  {:>9}  {:>7}  {:>7}  {:>6}\n",
         "(B)", "(elements)", "", "", "", "(us)", "(GB/s)", "(GB/s)", ""
     );
+    text
+}
+
+/// One row of the table, or one JSON object, with its newline.
+fn row_text(args: &BenchArgs, n: u32, backend: &str, row: &Row, algbw: f64, busbw: f64) -> String {
+    let root = if args.op.rooted() { args.root as i64 } else { -1 };
+    let redop = if args.op.reduces() { redop_name(args.redop) } else { "none" };
+    if args.json {
+        let mut sorted = row.times_us.clone();
+        sorted.sort_by(f64::total_cmp);
+        let median = sorted.get(sorted.len() / 2).copied().unwrap_or(0.0);
+        let obj = serde_json::json!({
+            "op": args.op.name(), "ranks": n, "transport": backend, "inflight": args.inflight,
+            "size": row.bytes, "count": row.count, "type": type_name(args.dtype), "redop": redop, "root": root,
+            "time_us": row.mean_us, "median_us": median, "algbw": algbw, "busbw": busbw,
+            "wrong": if args.check == 1 { Some(row.wrong) } else { None },
+            "times_us": row.times_us,
+        });
+        format!("{obj}\n")
+    } else {
+        let wrong = if args.check == 1 { row.wrong.to_string() } else { "N/A".into() };
+        format!(
+            "{:>12}  {:>12}  {:>8}  {:>6}  {:>6}  {:>9.2}  {:>7.3}  {:>7.3}  {:>6}\n",
+            row.bytes,
+            row.count,
+            type_name(args.dtype),
+            redop,
+            root,
+            row.mean_us,
+            algbw,
+            busbw,
+            wrong
+        )
+    }
 }
 
 /// Rank `r`'s input at element `i`: small integers, exact in every dtype. For products, only
@@ -458,6 +584,84 @@ fn close(dtype: DType, got: f64, want: f64) -> bool {
         DType::F16 | DType::Bf16 => (got - want).abs() <= want.abs() * 1e-2 + 1e-2,
         DType::F32 => (got - want).abs() <= want.abs() * 1e-5,
         _ => got == want,
+    }
+}
+
+// ---- TCP ----
+
+fn run_tcp_rank(args: &BenchArgs) -> Result<i32, String> {
+    let pg = cohort_transports::tcp::init_process_group().map_err(|e| format!("init_process_group: {e}"))?;
+    let mut tcp = Tcp(pg);
+    let code = sweep(&mut tcp, args, &mut std::io::stdout())?;
+    tcp.0.shutdown();
+    Ok(code)
+}
+
+/// The TCP backend: each iteration submits its works on host tensors and waits for them.
+#[derive(Debug)]
+struct Tcp(ProcessGroup);
+
+impl Backend for Tcp {
+    fn name(&self) -> &'static str {
+        "tcp"
+    }
+
+    fn rank(&self) -> u32 {
+        self.0.rank().0
+    }
+
+    fn world_size(&self) -> u32 {
+        self.0.world_size()
+    }
+
+    fn time(&mut self, args: &BenchArgs, shape: Shape) -> Result<Timing, String> {
+        let pg = &self.0;
+        let me = pg.rank().0;
+        let Shape { count, in_count, .. } = shape;
+        let k = args.inflight as usize;
+        // Inputs whose shape the op keeps are chained from one iteration to the next (no spare
+        // copy is held: peak memory is the op's own); the others restart from a copy of the input.
+        let chains = !matches!(args.op, BenchOp::Allgather | BenchOp::ReduceScatter);
+        let fresh = (!chains).then(|| input(args, me, in_count));
+        let inputs = |data: Vec<Tensor>| -> Vec<Tensor> {
+            match &fresh {
+                Some(f) => vec![f.clone(); k],
+                None => data,
+            }
+        };
+        let mut data: Vec<Tensor> =
+            if chains { (0..k).map(|_| input(args, me, in_count)).collect() } else { Vec::new() };
+        for _ in 0..args.warmup {
+            data = once(pg, args, inputs(data), count)?;
+        }
+        sync(pg)?;
+        let mut times_us = Vec::with_capacity(args.iters as usize);
+        let start = Instant::now();
+        for _ in 0..args.iters {
+            let t = Instant::now();
+            data = once(pg, args, inputs(data), count)?;
+            times_us.push(t.elapsed().as_secs_f64() * 1e6 / k as f64);
+        }
+        let mean_us = start.elapsed().as_secs_f64() * 1e6 / f64::from(args.iters) / k as f64;
+        Ok(Timing { times_us, mean_us })
+    }
+
+    fn outputs(&mut self, args: &BenchArgs, shape: Shape) -> Result<Vec<Tensor>, String> {
+        let pg = &self.0;
+        let fresh = input(args, pg.rank().0, shape.in_count);
+        once(pg, args, vec![fresh; args.inflight as usize], shape.count)
+    }
+
+    fn max(&self, v: f64) -> Result<f64, String> {
+        let w = self.0.allreduce(vec![Tensor::from_slice(&[v])], ReduceOp::Max).map_err(|e| e.to_string())?;
+        let out = w.result().map_err(|e| e.to_string())?;
+        Ok(out[0].to_f64s()[0])
+    }
+
+    fn sum(&self, v: u64) -> Result<u64, String> {
+        let w = self.0.allreduce(vec![Tensor::from_slice(&[v as i64])], ReduceOp::Sum).map_err(|e| e.to_string())?;
+        let out = w.result().map_err(|e| e.to_string())?;
+        Ok(out[0].to_f64s()[0] as u64)
     }
 }
 
@@ -530,74 +734,308 @@ fn once(pg: &ProcessGroup, args: &BenchArgs, data: Vec<Tensor>, count: usize) ->
     works.into_iter().map(|w| w.wait(args)).collect()
 }
 
-fn bench_size(pg: &ProcessGroup, args: &BenchArgs, size: usize) -> Result<Row, String> {
-    let n = pg.world_size();
-    let me = pg.rank().0;
-    let es = args.dtype.size();
-    let align = args.op.align(n);
-    let count = if args.op == BenchOp::Barrier { 0 } else { size / es / align * align };
-    let bytes = count * es;
-    let k = args.inflight as usize;
-    // allgather's input is one rank's piece; the rest take the whole buffer.
-    let in_count = if args.op == BenchOp::Allgather { count / n as usize } else { count };
-    // Inputs whose shape the op keeps are chained from one iteration to the next (no spare
-    // copy is held: peak memory is the op's own); the others restart from a copy of the input.
-    let chains = !matches!(args.op, BenchOp::Allgather | BenchOp::ReduceScatter);
-    let fresh = (!chains).then(|| input(args, me, in_count));
-    let inputs = |data: Vec<Tensor>| -> Vec<Tensor> {
-        match &fresh {
-            Some(f) => vec![f.clone(); k],
-            None => data,
-        }
-    };
-    let mut data: Vec<Tensor> = if chains { (0..k).map(|_| input(args, me, in_count)).collect() } else { Vec::new() };
-    for _ in 0..args.warmup {
-        data = once(pg, args, inputs(data), count)?;
-    }
-    sync(pg)?;
-    let mut times_us = Vec::with_capacity(args.iters as usize);
-    let start = Instant::now();
-    for _ in 0..args.iters {
-        let t = Instant::now();
-        data = once(pg, args, inputs(data), count)?;
-        times_us.push(t.elapsed().as_secs_f64() * 1e6 / k as f64);
-    }
-    let mine = start.elapsed().as_secs_f64() * 1e6 / f64::from(args.iters) / k as f64;
-    let mean_us = all_max(pg, mine)?;
-
-    let mut wrong = 0u64;
-    if args.check == 1 && args.op != BenchOp::Barrier {
-        drop(data);
-        let got = once(pg, args, vec![input(args, me, in_count); k], count)?;
-        let want = expected(args, n, me, count);
-        if !want.is_empty() {
-            for got in got.iter().map(Tensor::to_f64s) {
-                wrong += if got.len() != want.len() {
-                    want.len() as u64
-                } else {
-                    got.iter().zip(&want).filter(|(g, w)| !close(args.dtype, **g, **w)).count() as u64
-                };
-            }
-        }
-        wrong = all_sum(pg, wrong)?;
-    }
-    Ok(Row { bytes, count, times_us, mean_us, wrong })
-}
-
 fn sync(pg: &ProcessGroup) -> Result<(), String> {
     pg.barrier().map_err(|e| format!("barrier: {e}"))?.wait().map_err(|e| format!("barrier: {e}"))
 }
 
-fn all_max(pg: &ProcessGroup, v: f64) -> Result<f64, String> {
-    let w = pg.allreduce(vec![Tensor::from_slice(&[v])], ReduceOp::Max).map_err(|e| e.to_string())?;
-    let out = w.result().map_err(|e| e.to_string())?;
-    Ok(out[0].to_f64s()[0])
-}
+/// `--transport nccl`: the sweep on an [`NcclProcessGroup`], as nccl-tests runs it. Generic over
+/// the device so that the unit tests run it on the host emulation; the CUDA device and the
+/// store behind it come with the `nccl` feature.
+#[cfg(any(feature = "nccl", test))]
+mod nccl {
+    use std::time::Instant;
 
-fn all_sum(pg: &ProcessGroup, v: u64) -> Result<u64, String> {
-    let w = pg.allreduce(vec![Tensor::from_slice(&[v as i64])], ReduceOp::Sum).map_err(|e| e.to_string())?;
-    let out = w.result().map_err(|e| e.to_string())?;
-    Ok(out[0].to_f64s()[0] as u64)
+    use cohort_core::reduce::ReduceOp;
+    use cohort_core::tensor::Tensor;
+    use cohort_transports::Work;
+    use cohort_transports::nccl::{Device, DeviceTensor, NcclError, NcclProcessGroup, P2pOp};
+
+    use super::{Backend, BenchArgs, BenchOp, Shape, Timing, input};
+
+    /// One rank of `cohort bench --transport nccl` under torchrun's environment: the CUDA device
+    /// `COHORT_CUDA_DEVICE`, else `LOCAL_RANK` modulo the devices visible; rank 0 hosts the store
+    /// unless a launcher does (`COHORT_STORE_HOSTED=1`); `COHORT_*`/`TORCH_NCCL_*` options apply,
+    /// with timing always on (the JSON rows' `times_us` are the device's times).
+    #[cfg(feature = "nccl")]
+    pub(super) fn run_rank(args: &BenchArgs) -> Result<i32, String> {
+        use std::net::{IpAddr, Ipv4Addr, SocketAddr};
+        use std::sync::Arc;
+
+        use cohort_transports::TokioNet;
+        use cohort_transports::nccl::NcclOptions;
+        use cohort_transports::nccl::cuda::{self, CudaDevice};
+        use cohort_transports::nccl::device::version_text;
+        use cohort_transports::store::{Store, TcpStore, TcpStoreConfig, TcpStoreServer, TcpStoreServerConfig};
+        use cohort_transports::tcp::InitConfig;
+
+        let cfg = InitConfig::from_env().map_err(|e| format!("init_process_group: {e}"))?;
+        let count = cuda::device_count().map_err(|e| format!("--transport nccl: {e}"))?;
+        let explicit = std::env::var("COHORT_CUDA_DEVICE").ok();
+        let ordinal = device_ordinal(explicit.as_deref(), cfg.local_rank, count)?;
+        let device = Arc::new(CudaDevice::new(ordinal).map_err(|e| format!("CUDA device {ordinal}: {e}"))?);
+        let mut opts = NcclOptions::from_env().map_err(|e| e.to_string())?;
+        opts.enable_timing = true;
+        let runtime = tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(2)
+            .thread_name("cohort-bench")
+            .enable_all()
+            .build()
+            .map_err(|e| format!("cannot start the runtime: {e}"))?;
+        let (pg, _server) = runtime.block_on(async {
+            let server = if cfg.rank == 0 && cfg.host_store {
+                let bind = SocketAddr::new(IpAddr::V4(Ipv4Addr::UNSPECIFIED), cfg.master_port);
+                let server = TcpStoreServer::bind(TokioNet, TcpStoreServerConfig::new(bind))
+                    .await
+                    .map_err(|e| format!("rank 0 cannot host the store on port {}: {e}", cfg.master_port))?;
+                Some(server)
+            } else {
+                None
+            };
+            let client = TcpStore::connect(
+                TcpStoreConfig::new(cfg.master_addr.clone(), cfg.master_port)
+                    .with_connect_timeout(opts.init_timeout)
+                    .with_timeout(opts.init_timeout),
+            )
+            .await
+            .map_err(|e| format!("cannot reach the store at {}:{}: {e}", cfg.master_addr, cfg.master_port))?;
+            let store: Arc<dyn Store> = Arc::new(client);
+            let handle = tokio::runtime::Handle::current();
+            let pg = NcclProcessGroup::new(device, store, "bench", cfg.rank, cfg.world_size, opts, handle)
+                .await
+                .map_err(|e| format!("NCCL process group on CUDA device {ordinal}: {e}"))?;
+            Ok::<_, String>((pg, server))
+        })?;
+        let version = pg.device().nccl_version().map_or_else(|e| e.to_string(), version_text);
+        let name = pg.device().name().unwrap_or_else(|e| e.to_string());
+        let mut nccl = Nccl::new(pg, format!("rank 0: CUDA device {ordinal} ({name}), NCCL {version}"));
+        let code = super::sweep(&mut nccl, args, &mut std::io::stdout())?;
+        nccl.pg.shutdown().map_err(|e| format!("shutdown: {e}"))?;
+        Ok(code)
+    }
+
+    /// Before starting `ranks` local ranks: a GPU and NCCL are there, and a device for each rank
+    /// (NCCL refuses two ranks of one communicator on one device).
+    #[cfg(feature = "nccl")]
+    pub(super) fn check_local_devices(ranks: u32) -> Result<(), String> {
+        let count = cohort_transports::nccl::cuda::device_count().map_err(|e| format!("--transport nccl: {e}"))?;
+        enough_devices(ranks, count)
+    }
+
+    /// The CUDA device of a rank: `explicit` (`COHORT_CUDA_DEVICE`) when set, else `local_rank`
+    /// modulo the `count` devices visible.
+    pub(super) fn device_ordinal(explicit: Option<&str>, local_rank: u32, count: usize) -> Result<usize, String> {
+        if count == 0 {
+            return Err("--transport nccl: no CUDA device is visible (check CUDA_VISIBLE_DEVICES)".into());
+        }
+        match explicit {
+            None => Ok(local_rank as usize % count),
+            Some(v) => match v.trim().parse::<usize>() {
+                Ok(d) if d < count => Ok(d),
+                Ok(d) => Err(format!("COHORT_CUDA_DEVICE={d}: only {count} CUDA devices are visible")),
+                Err(_) => Err(format!("COHORT_CUDA_DEVICE={v:?} is not a device number")),
+            },
+        }
+    }
+
+    /// Whether `count` visible devices can hold `ranks` local ranks, one each.
+    pub(super) fn enough_devices(ranks: u32, count: usize) -> Result<(), String> {
+        if count == 0 {
+            return Err("--transport nccl: no CUDA device is visible (check CUDA_VISIBLE_DEVICES)".into());
+        }
+        if ranks as usize > count {
+            return Err(format!(
+                "--transport nccl --ranks {ranks}: NCCL needs a CUDA device per rank, {count} visible \
+                 (use --ranks {count}, or cohort launch across machines)"
+            ));
+        }
+        Ok(())
+    }
+
+    /// The NCCL backend: inputs are made on the host and copied to the device once per size;
+    /// every iteration is enqueued before any is waited for, and the time is the wall time of
+    /// them all, as nccl-tests measures it.
+    pub(super) struct Nccl<D: Device> {
+        pub(super) pg: NcclProcessGroup<D>,
+        describe: String,
+    }
+
+    /// One work's buffers: its input, and its output when the op writes out of place.
+    struct Slot<D: Device> {
+        input: DeviceTensor<D>,
+        output: Option<DeviceTensor<D>>,
+    }
+
+    impl<D: Device> Slot<D> {
+        /// Where the op leaves its result.
+        fn result(&self) -> &DeviceTensor<D> {
+            self.output.as_ref().unwrap_or(&self.input)
+        }
+    }
+
+    impl<D: Device> Nccl<D> {
+        /// The backend on `pg`; `describe` is the header's device line.
+        pub(super) fn new(pg: NcclProcessGroup<D>, describe: String) -> Nccl<D> {
+            Nccl { pg, describe }
+        }
+
+        /// `args.inflight` slots holding this rank's input (copied from one host tensor).
+        fn slots(&self, args: &BenchArgs, shape: Shape) -> Result<Vec<Slot<D>>, String> {
+            let host = input(args, self.pg.rank().0, shape.in_count);
+            let out_of_place = match args.op {
+                BenchOp::Allgather | BenchOp::ReduceScatter | BenchOp::Alltoall => true,
+                BenchOp::Sendrecv => self.pg.world_size() > 1,
+                _ => false,
+            };
+            (0..args.inflight)
+                .map(|_| {
+                    let input = self.pg.to_device(&host).map_err(|e| format!("copy to the device: {e}"))?;
+                    let output = if out_of_place {
+                        Some(self.pg.zeros(args.dtype, &[shape.out_count]).map_err(|e| format!("allocate: {e}"))?)
+                    } else {
+                        None
+                    };
+                    Ok(Slot { input, output })
+                })
+                .collect()
+        }
+
+        /// Enqueues the op on one slot: its works (a send and a receive for sendrecv).
+        fn enqueue(&self, args: &BenchArgs, slot: &Slot<D>) -> Result<Vec<Work>, String> {
+            let pg = &self.pg;
+            let (n, me) = (pg.world_size(), pg.rank().0);
+            let fail = |e: NcclError| format!("{}: {e}", args.op.name());
+            let x = &slot.input;
+            let out = slot.result();
+            let one = |w: Result<Work, NcclError>| w.map(|w| vec![w]).map_err(fail);
+            match args.op {
+                BenchOp::Allreduce => one(pg.allreduce(x, args.redop)),
+                BenchOp::Broadcast => one(pg.broadcast(x, args.root)),
+                BenchOp::Reduce => one(pg.reduce(x, args.root, args.redop)),
+                BenchOp::Allgather => one(pg.allgather_into_tensor(out, x)),
+                BenchOp::ReduceScatter => one(pg.reduce_scatter_tensor(out, x, args.redop)),
+                BenchOp::Alltoall => one(pg.alltoall_base(out, x, None)),
+                // Nothing to send to on one rank (the core refuses a send to oneself), as on TCP.
+                BenchOp::Sendrecv if n == 1 => Ok(Vec::new()),
+                // One NCCL group: every rank's send and receive at once (separately, a ring of
+                // sends would wait for receives queued behind them).
+                BenchOp::Sendrecv => pg
+                    .batch_isend_irecv(&[
+                        P2pOp::Send(x.clone(), (me + 1) % n),
+                        P2pOp::Recv(out.clone(), (me + n - 1) % n),
+                    ])
+                    .map_err(fail),
+                BenchOp::Barrier => one(pg.barrier()),
+            }
+        }
+
+        /// Enqueues `iters` iterations on every slot: each iteration's works, slot by slot.
+        fn enqueue_iters(
+            &self,
+            args: &BenchArgs,
+            slots: &[Slot<D>],
+            iters: u32,
+        ) -> Result<Vec<Vec<Vec<Work>>>, String> {
+            (0..iters).map(|_| slots.iter().map(|s| self.enqueue(args, s)).collect()).collect()
+        }
+
+        /// Blocks until the device has run `last` (and so everything enqueued before it), spinning
+        /// on an event as nccl-tests does: the watchdog, which ends works, looks only every
+        /// millisecond. Returns early when `last` ended otherwise (failed, timed out, aborted):
+        /// its `wait` says why.
+        fn settle(&self, last: &Work) -> Result<(), String> {
+            let fail = |e: NcclError| format!("waiting for the device: {e}");
+            let (pg, dev) = (&self.pg, self.pg.device());
+            pg.wait_stream(last, pg.compute_stream()).map_err(fail)?;
+            let done = dev.new_event(false).map_err(fail)?;
+            dev.record(&done, pg.compute_stream()).map_err(fail)?;
+            let mut spins = 0u32;
+            while !dev.query(&done).map_err(fail)? {
+                spins = spins.wrapping_add(1);
+                if spins.is_multiple_of(64) && last.is_completed() {
+                    break;
+                }
+                std::thread::yield_now();
+            }
+            Ok(())
+        }
+
+        /// Waits for every work (after [`Nccl::settle`] they have run on the device).
+        fn wait_all<'a>(&self, args: &BenchArgs, works: impl IntoIterator<Item = &'a Work>) -> Result<(), String> {
+            works.into_iter().try_for_each(|w| w.wait().map_err(|e| format!("{}: {e}", args.op.name())))
+        }
+
+        /// Allreduce of one value through the device.
+        fn reduce_one(&self, t: &Tensor, op: ReduceOp) -> Result<f64, String> {
+            let fail = |e: &dyn std::fmt::Display| format!("allreduce of the results: {e}");
+            let d = self.pg.to_device(t).map_err(|e| fail(&e))?;
+            self.pg.allreduce(&d, op).map_err(|e| fail(&e))?.wait().map_err(|e| fail(&e))?;
+            Ok(self.pg.to_host(&d).map_err(|e| fail(&e))?.to_f64s()[0])
+        }
+    }
+
+    impl<D: Device> Backend for Nccl<D> {
+        fn name(&self) -> &'static str {
+            "nccl"
+        }
+
+        fn rank(&self) -> u32 {
+            self.pg.rank().0
+        }
+
+        fn world_size(&self) -> u32 {
+            self.pg.world_size()
+        }
+
+        fn describe(&self) -> Option<String> {
+            Some(self.describe.clone())
+        }
+
+        fn time(&mut self, args: &BenchArgs, shape: Shape) -> Result<Timing, String> {
+            let slots = self.slots(args, shape)?;
+            let warmup = self.enqueue_iters(args, &slots, args.warmup)?;
+            if let Some(last) = warmup.iter().flatten().flatten().last() {
+                self.settle(last)?;
+            }
+            self.wait_all(args, warmup.iter().flatten().flatten())?;
+            let sync = |e: &dyn std::fmt::Display| format!("barrier: {e}");
+            self.pg.barrier().map_err(|e| sync(&e))?.wait().map_err(|e| sync(&e))?;
+
+            let start = Instant::now();
+            let timed = self.enqueue_iters(args, &slots, args.iters)?;
+            if let Some(last) = timed.iter().flatten().flatten().last() {
+                self.settle(last)?;
+            }
+            let k = f64::from(args.inflight);
+            let mean_us = start.elapsed().as_secs_f64() * 1e6 / f64::from(args.iters) / k;
+            self.wait_all(args, timed.iter().flatten().flatten())?;
+            // Each iteration's device time: its works' (a batch's works share their events).
+            let times_us = timed
+                .iter()
+                .map(|iteration| {
+                    let device_us = |works: &Vec<Work>| {
+                        works.iter().filter_map(Work::duration).map(|d| d.as_secs_f64() * 1e6).fold(0.0, f64::max)
+                    };
+                    iteration.iter().map(device_us).sum::<f64>() / k
+                })
+                .collect();
+            Ok(Timing { times_us, mean_us })
+        }
+
+        fn outputs(&mut self, args: &BenchArgs, shape: Shape) -> Result<Vec<Tensor>, String> {
+            let slots = self.slots(args, shape)?;
+            let works = self.enqueue_iters(args, &slots, 1)?;
+            self.wait_all(args, works.iter().flatten().flatten())?;
+            slots.iter().map(|s| self.pg.to_host(s.result()).map_err(|e| format!("copy to the host: {e}"))).collect()
+        }
+
+        fn max(&self, v: f64) -> Result<f64, String> {
+            self.reduce_one(&Tensor::from_slice(&[v]), ReduceOp::Max)
+        }
+
+        fn sum(&self, v: u64) -> Result<u64, String> {
+            Ok(self.reduce_one(&Tensor::from_slice(&[v as i64]), ReduceOp::Sum)? as u64)
+        }
+    }
 }
 
 #[cfg(test)]
@@ -628,5 +1066,177 @@ mod tests {
         assert_eq!(parse_redop("sum"), Ok(ReduceOp::Sum));
         assert!(parse_redop("bxor").unwrap_err().contains("not a reduction"));
         assert!(parse_dtype("float33").unwrap_err().contains("not a datatype"));
+    }
+
+    /// `cohort bench ARGV…`'s arguments.
+    fn bench_args(argv: &[&str]) -> BenchArgs {
+        #[derive(clap::Parser)]
+        struct Cli {
+            #[command(flatten)]
+            args: BenchArgs,
+        }
+        <Cli as clap::Parser>::try_parse_from(std::iter::once("bench").chain(argv.iter().copied()))
+            .expect("valid arguments")
+            .args
+    }
+
+    #[test]
+    fn sizes_step_by_the_factor_up_to_the_largest() {
+        assert_eq!(sizes(&bench_args(&["-b", "8", "-e", "64K", "-f", "32"])), [8, 256, 8192]);
+        assert_eq!(sizes(&bench_args(&["-b", "0", "-e", "4", "-f", "2"])), [0, 1, 2, 4]);
+        assert_eq!(sizes(&bench_args(&["-b", "0", "-e", "0"])), [0]);
+        assert_eq!(sizes(&bench_args(&["-o", "barrier", "-b", "8", "-e", "1M"])), [8]);
+    }
+
+    #[test]
+    fn shapes_round_down_to_whole_per_rank_pieces() {
+        let shape = |argv: &[&str], n, size| Shape::new(&bench_args(argv), n, size);
+        assert_eq!(shape(&[], 4, 30), Shape { count: 7, in_count: 7, out_count: 7 });
+        assert_eq!(shape(&["-o", "allgather"], 4, 40), Shape { count: 8, in_count: 2, out_count: 8 });
+        assert_eq!(
+            shape(&["-o", "reduce_scatter", "-d", "half"], 3, 20),
+            Shape { count: 9, in_count: 9, out_count: 3 }
+        );
+        assert_eq!(shape(&["-o", "alltoall"], 3, 40), Shape { count: 9, in_count: 9, out_count: 9 });
+        assert_eq!(shape(&["-o", "barrier"], 2, 1024), Shape { count: 0, in_count: 0, out_count: 0 });
+    }
+
+    #[test]
+    fn the_tcp_header_keeps_its_layout() {
+        let text = header(&bench_args(&["-n", "3", "-w", "1"]), 3, "tcp", None);
+        assert_eq!(
+            text,
+            "# cohort bench: allreduce over 3 ranks (tcp), 3 iters, 1 warmup iters, 1 in flight, check 1\n\
+             #\n\
+             #       size         count      type   redop    root       time    algbw    busbw  #wrong\n\
+             #        (B)    (elements)                                 (us)   (GB/s)   (GB/s)        \n"
+        );
+        let nccl = header(&bench_args(&[]), 1, "nccl", Some("rank 0: CUDA device 0"));
+        assert!(nccl.starts_with("# cohort bench: allreduce over 1 ranks (nccl), 20 iters"), "{nccl}");
+        assert!(nccl.contains("\n# rank 0: CUDA device 0\n#\n"), "{nccl}");
+    }
+
+    #[test]
+    fn rows_print_as_nccl_tests_or_json() {
+        let row = Row { bytes: 1024, count: 256, times_us: vec![3.0, 1.0, 2.0], mean_us: 2.5, wrong: 0 };
+        let line = row_text(&bench_args(&[]), 2, "tcp", &row, 0.4096, 0.4096);
+        assert_eq!(line, "        1024           256     float     sum      -1       2.50    0.410    0.410       0\n");
+        let json: serde_json::Value =
+            serde_json::from_str(&row_text(&bench_args(&["--json", "-c", "0"]), 2, "nccl", &row, 0.4, 0.4)).unwrap();
+        assert_eq!(json["transport"], "nccl");
+        assert_eq!(json["median_us"], 2.0);
+        assert!(json["wrong"].is_null());
+    }
+
+    #[test]
+    fn wrong_elements_are_counted_per_work() {
+        let want = [1.0, 2.0, 3.0];
+        let right = Tensor::from_f64s(DType::F32, &want);
+        let one_off = Tensor::from_f64s(DType::F32, &[1.0, 2.5, 3.0]);
+        let short = Tensor::from_f64s(DType::F32, &[1.0]);
+        assert_eq!(count_wrong(DType::F32, &[right.clone(), one_off], &want), 1);
+        assert_eq!(count_wrong(DType::F32, &[short, right.clone()], &want), 3);
+        assert_eq!(count_wrong(DType::F32, &[right], &[]), 0, "nothing expected, nothing wrong");
+    }
+
+    #[test]
+    fn a_rank_takes_its_local_rank_modulo_the_devices_or_the_override() {
+        assert_eq!(nccl::device_ordinal(None, 5, 4), Ok(1));
+        assert_eq!(nccl::device_ordinal(Some("2"), 0, 4), Ok(2));
+        assert!(nccl::device_ordinal(Some("4"), 0, 4).unwrap_err().contains("only 4 CUDA devices"));
+        assert!(nccl::device_ordinal(Some("gpu1"), 0, 4).unwrap_err().contains("not a device number"));
+        assert!(nccl::device_ordinal(None, 0, 0).unwrap_err().contains("no CUDA device is visible"));
+        assert_eq!(nccl::enough_devices(2, 8), Ok(()));
+        assert!(nccl::enough_devices(4, 2).unwrap_err().contains("a CUDA device per rank, 2 visible"));
+        assert!(nccl::enough_devices(1, 0).unwrap_err().contains("no CUDA device is visible"));
+    }
+
+    /// Runs `cohort bench ARGV…` on `n` NCCL ranks over the host emulation (one process, one
+    /// thread per rank): rank 0's output and every rank's exit code.
+    fn nccl_emulated(n: u32, argv: &[&str]) -> (String, Vec<i32>) {
+        use std::sync::Arc;
+        use std::time::Duration;
+
+        use cohort_transports::MemoryStore;
+        use cohort_transports::nccl::emu::{EmuConfig, EmuDevice, MemFabric};
+        use cohort_transports::nccl::{NcclOptions, NcclProcessGroup};
+
+        let args = bench_args(argv);
+        let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().unwrap();
+        let fabric = MemFabric::new();
+        let store: Arc<dyn cohort_transports::Store> = Arc::new(MemoryStore::new());
+        let opts = NcclOptions {
+            timeout: Duration::from_secs(30),
+            enable_timing: true,
+            heartbeat_timeout: None,
+            ..NcclOptions::default()
+        };
+        let pgs: Vec<_> = rt.block_on(async {
+            let ranks = (0..n).map(|r| {
+                let mut cfg = EmuConfig::new(rt.handle().clone(), fabric.clone());
+                cfg.ordinal = r as usize;
+                let dev = Arc::new(EmuDevice::new(cfg));
+                let pg = NcclProcessGroup::new(dev, store.clone(), "bench", r, n, opts.clone(), rt.handle().clone());
+                tokio::spawn(pg)
+            });
+            let mut pgs = Vec::new();
+            for rank in ranks.collect::<Vec<_>>() {
+                pgs.push(rank.await.unwrap().expect("init"));
+            }
+            pgs
+        });
+        let results: Vec<(Vec<u8>, i32)> = std::thread::scope(|s| {
+            let ranks: Vec<_> = pgs
+                .into_iter()
+                .map(|pg| {
+                    let args = &args;
+                    s.spawn(move || {
+                        let mut b = nccl::Nccl::new(pg, "rank 0: emulated device".into());
+                        let mut out = Vec::new();
+                        let code = sweep(&mut b, args, &mut out).expect("the sweep runs");
+                        b.pg.shutdown().expect("shutdown");
+                        (out, code)
+                    })
+                })
+                .collect();
+            ranks.into_iter().map(|r| r.join().expect("a rank panicked")).collect()
+        });
+        let text = String::from_utf8(results[0].0.clone()).unwrap();
+        assert!(results[1..].iter().all(|(out, _)| out.is_empty()), "only rank 0 prints");
+        (text, results.into_iter().map(|(_, code)| code).collect())
+    }
+
+    #[test]
+    fn nccl_sweep_checks_every_op_on_the_emulated_device() {
+        for op in ["allreduce", "allgather", "broadcast", "reduce", "reduce_scatter", "alltoall", "sendrecv", "barrier"]
+        {
+            let argv = ["-o", op, "-d", "int32", "-r", "max", "--root", "1", "-b", "12", "-e", "1K", "-f", "8"];
+            let (text, codes) = nccl_emulated(3, &[&argv[..], &["-n", "3", "-w", "1", "--inflight", "2"]].concat());
+            assert_eq!(codes, [0, 0, 0], "{op}: {text}");
+            assert!(text.contains("over 3 ranks (nccl)") && text.contains("# rank 0: emulated device"), "{text}");
+            assert!(text.contains("# Out of bounds values : 0 OK"), "{op}: {text}");
+            let rows: Vec<Vec<&str>> =
+                text.lines().filter(|l| !l.starts_with('#')).map(|l| l.split_whitespace().collect()).collect();
+            let want: &[&str] = if op == "barrier" { &["0"] } else { &["12", "96", "768"] };
+            assert_eq!(rows.iter().map(|r| r[0]).collect::<Vec<_>>(), want, "{op}: {text}");
+        }
+    }
+
+    #[test]
+    fn nccl_sweep_on_one_rank_emits_device_times_as_json() {
+        for op in ["allreduce", "sendrecv"] {
+            let (text, codes) =
+                nccl_emulated(1, &["-o", op, "-b", "1K", "-e", "4K", "-f", "4", "-n", "4", "-w", "0", "--json"]);
+            assert_eq!(codes, [0], "{op}: {text}");
+            let rows: Vec<serde_json::Value> = text.lines().map(|l| serde_json::from_str(l).expect(l)).collect();
+            assert_eq!(rows.len(), 2, "{op}: {text}");
+            for row in rows {
+                assert_eq!(row["transport"], "nccl");
+                assert_eq!(row["wrong"], 0, "{op}: {row}");
+                let times = row["times_us"].as_array().expect("times_us");
+                assert_eq!(times.len(), 4, "{op}: {row}");
+                assert!(times.iter().all(|t| t.as_f64().is_some_and(|t| t >= 0.0)), "{op}: {row}");
+            }
+        }
     }
 }
