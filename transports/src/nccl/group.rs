@@ -252,6 +252,20 @@ impl<D: Device> Clone for DeviceTensor<D> {
 }
 
 impl<D: Device> DeviceTensor<D> {
+    /// A tensor of `dtype` and `shape` over `buf` (memory of `device`), from its start; refused
+    /// when the buffer holds fewer bytes than the tensor needs.
+    pub fn from_parts(device: &D, buf: D::Buffer, dtype: DType, shape: &[usize]) -> Result<Self, NcclError> {
+        let need = shape.iter().try_fold(dtype.size(), |acc, &d| acc.checked_mul(d));
+        let have = device.buffer_len(&buf);
+        match need {
+            Some(need) if need <= have => Ok(DeviceTensor { buf, dtype, shape: shape.to_vec() }),
+            _ => Err(NcclError::Invalid(format!(
+                "a {} tensor of shape {shape:?} does not fit in a device buffer of {have} bytes",
+                dtype.name()
+            ))),
+        }
+    }
+
     /// The element type.
     pub fn dtype(&self) -> DType {
         self.dtype
@@ -420,20 +434,6 @@ impl<D: Device> NcclProcessGroup<D> {
         opts: NcclOptions,
         runtime: tokio::runtime::Handle,
     ) -> Result<NcclProcessGroup<D>, NcclError> {
-        Self::with_group_id(device, store, name, GroupId(0), rank, world_size, opts, runtime).await
-    }
-
-    #[allow(clippy::too_many_arguments)]
-    async fn with_group_id(
-        device: Arc<D>,
-        store: Arc<dyn Store>,
-        name: &str,
-        group_id: GroupId,
-        rank: u32,
-        world_size: u32,
-        opts: NcclOptions,
-        runtime: tokio::runtime::Handle,
-    ) -> Result<NcclProcessGroup<D>, NcclError> {
         if world_size == 0 || rank >= world_size {
             return Err(NcclError::Invalid(format!("rank {rank} is not in a group of {world_size}")));
         }
@@ -454,7 +454,7 @@ impl<D: Device> NcclProcessGroup<D> {
             })?
         };
         let comm = if opts.lazy_init { None } else { Some(init_comm(&*device, &uid, world_size, rank, &opts).await?) };
-        Self::assemble(device, store, name, group_id, rank, world_size, opts, runtime, uid, comm)
+        Self::assemble(device, store, name, GroupId(0), rank, world_size, opts, runtime, uid, comm)
     }
 
     #[allow(clippy::too_many_arguments)]

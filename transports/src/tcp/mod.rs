@@ -16,6 +16,7 @@
 
 mod collective;
 mod connect;
+mod device;
 mod init;
 mod lazy;
 mod link;
@@ -38,6 +39,7 @@ use tokio::sync::Notify;
 use tokio::task::JoinHandle;
 
 pub use connect::InitError;
+pub use device::{DeviceProcessGroup, DeviceSubmitError};
 pub use init::{InitConfig, init_process_group, init_process_group_with};
 pub use monitored::{MONITORED_BARRIER_TAG, MonitoredBarrierError};
 pub use options::{
