@@ -29,9 +29,11 @@
 //! `TORCH_NCCL_HEARTBEAT_TIMEOUT_SEC`): a watchdog stuck for that long is reported, the
 //! recorder dumped, and by default the process aborted.
 //!
-//! `Work::wait` blocks the host until the work ends, as c10d's blocking-wait mode
-//! (`TORCH_NCCL_BLOCKING_WAIT=1`) does; c10d's default, a wait that only makes the caller's
-//! stream wait on the device, is [`NcclProcessGroup::wait_stream`].
+//! `Work::wait` blocks the host until the work ends; c10d's default, a wait that only makes the
+//! caller's stream wait on the device, is [`NcclProcessGroup::wait_stream`]. In blocking-wait
+//! mode ([`NcclOptions::blocking_wait`], `TORCH_NCCL_BLOCKING_WAIT=1`) the waiting thread does
+//! the watchdog's device pass itself, so its wait ends, and its timeout is caught, even when
+//! the watchdog cannot run.
 
 use std::collections::{BTreeMap, VecDeque};
 use std::path::PathBuf;
@@ -105,6 +107,11 @@ pub struct NcclOptions {
     /// How often the watchdog polls the events and the async error while works run (c10d
     /// polls every 100 ms; cohort finishes works from here, so it polls more often).
     pub poll_interval: Duration,
+    /// c10d's blocking-wait mode: a thread in `Work::wait` polls the device, the async error
+    /// and the deadlines itself (every 200 µs) instead of sleeping until the watchdog ends the
+    /// work, so a wait ends, and a timeout is caught, even when the watchdog cannot run.
+    /// `COHORT_BLOCKING_WAIT` / `TORCH_NCCL_BLOCKING_WAIT`, default off.
+    pub blocking_wait: bool,
     /// How often the watchdog talks to the store (progress, peers' failures).
     /// `COHORT_STATUS_INTERVAL_MS`, default 200.
     pub status_interval: Duration,
@@ -136,6 +143,7 @@ impl Default for NcclOptions {
             desync_debug: true,
             enable_timing: false,
             poll_interval: Duration::from_millis(1),
+            blocking_wait: false,
             status_interval: Duration::from_millis(200),
             heartbeat_timeout: Some(Duration::from_secs(480)),
             monitor_action: MonitorAction::AbortProcess,
@@ -201,6 +209,9 @@ impl NcclOptions {
         }
         if let Some(b) = v.flag(&["COHORT_NCCL_BLOCKING"])? {
             o.blocking_comm = b;
+        }
+        if let Some(b) = v.flag(&["COHORT_BLOCKING_WAIT", "TORCH_NCCL_BLOCKING_WAIT"])? {
+            o.blocking_wait = b;
         }
         if let Some(b) = v.flag(&["COHORT_NCCL_LAZY_INIT"])? {
             o.lazy_init = b;
@@ -1190,6 +1201,9 @@ impl<D: Device> Inner<D> {
         let hook = self.hook.read().unwrap_or_else(|p| p.into_inner()).clone();
         let (work, completer) = Work::pending(id, seq, op, hook);
         completer.in_group(self.group_id, self.rank);
+        if self.opts.blocking_wait {
+            work.set_progress(Arc::new(WaitPoller(Arc::downgrade(self))), true);
+        }
         let weak = Arc::downgrade(self);
         work.set_abort(Box::new(move |reason| {
             if let Some(inner) = weak.upgrade() {
@@ -1530,6 +1544,36 @@ async fn watchdog<D: Device>(weak: Weak<Inner<D>>, wake: Arc<Notify>, stalled: A
             _ = tokio::time::sleep_until(until) => {}
         }
     }
+}
+
+/// How long a thread in blocking-wait mode sleeps between two looks at the device.
+const BLOCKING_WAIT_POLL: Duration = Duration::from_micros(200);
+
+/// Blocking-wait mode ([`NcclOptions::blocking_wait`]): a thread in `Work::wait` does the
+/// watchdog's device pass itself until its work ends.
+struct WaitPoller<D: Device>(Weak<Inner<D>>);
+
+impl<D: Device> crate::work::Progress for WaitPoller<D> {
+    fn begin(&self) -> Duration {
+        // Until the work ends: its deadline ends it at the latest.
+        Duration::MAX
+    }
+
+    fn poll(&self, _first: bool) -> Option<bool> {
+        let inner = self.0.upgrade()?;
+        inner.poll_device();
+        drop(inner);
+        std::thread::sleep(BLOCKING_WAIT_POLL);
+        Some(false)
+    }
+
+    fn stop(&self, _finished: bool) {}
+
+    fn sleep(&self) {}
+
+    fn woke(&self, _time: Duration, _polled: bool) {}
+
+    fn flush(&self) {}
 }
 
 /// The store task: every status interval, [`Inner::store_round`]. It holds the group only

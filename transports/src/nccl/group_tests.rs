@@ -468,6 +468,37 @@ fn the_monitor_reports_a_watchdog_that_stopped() {
 }
 
 #[test]
+fn in_blocking_wait_mode_the_waiting_thread_ends_works_and_catches_timeouts_itself() {
+    let rt = runtime();
+    let opts = NcclOptions { blocking_wait: true, timeout: Duration::from_millis(400), ..quick() };
+    let pgs = world(&rt, 2, opts);
+    pgs.iter().for_each(|pg| pg.stall_watchdog(true));
+    // `Work::wait` on a thread of its own, given 10 s to end.
+    let wait_within = |w: &Work| {
+        let (tx, rx) = std::sync::mpsc::channel();
+        let w2 = w.clone();
+        std::thread::spawn(move || tx.send(w2.wait()));
+        rx.recv_timeout(Duration::from_secs(10)).expect("the waiting thread did not end the work")
+    };
+    let got = each(&pgs, |pg| {
+        let t = dev(pg, DType::F32, &[1.0]);
+        wait_within(&pg.allreduce(&t, ReduceOp::Sum).unwrap()).unwrap();
+        host(pg, &t)
+    });
+    assert_eq!(got, vec![vec![2.0], vec![2.0]], "finished by the waiting threads alone");
+    // Rank 1 never calls: rank 0's own wait sees the deadline pass.
+    let w = pgs[0].allreduce(&pgs[0].zeros(DType::F32, &[1]).unwrap(), ReduceOp::Sum).unwrap();
+    let e = wait_within(&w).unwrap_err();
+    assert_eq!(w.state(), WorkState::TimedOut, "{e}");
+
+    // Without it, a stalled watchdog leaves the work unfinished.
+    let pgs = world(&rt, 2, NcclOptions { timeout: Duration::from_millis(400), ..quick() });
+    pgs.iter().for_each(|pg| pg.stall_watchdog(true));
+    let w = pgs[0].allreduce(&pgs[0].zeros(DType::F32, &[1]).unwrap(), ReduceOp::Sum).unwrap();
+    assert!(matches!(w.wait_timeout(Duration::from_millis(800)), Err(crate::work::WorkError::WaitTimedOut { .. })));
+}
+
+#[test]
 fn options_read_the_torch_names_and_refuse_bad_values_by_name() {
     let env = |pairs: &'static [(&'static str, &'static str)]| {
         move |name: &str| pairs.iter().find(|(n, _)| *n == name).map(|(_, v)| v.to_string())
@@ -477,6 +508,7 @@ fn options_read_the_torch_names_and_refuse_bad_values_by_name() {
         ("TORCH_NCCL_ENABLE_TIMING", "1"),
         ("TORCH_NCCL_HEARTBEAT_TIMEOUT_SEC", "0"),
         ("TORCH_NCCL_TRACE_BUFFER_SIZE", "17"),
+        ("TORCH_NCCL_BLOCKING_WAIT", "1"),
         ("COHORT_TIMEOUT_MS", "1500"),
     ]))
     .unwrap();
@@ -484,6 +516,7 @@ fn options_read_the_torch_names_and_refuse_bad_values_by_name() {
     assert!(o.enable_timing);
     assert_eq!(o.heartbeat_timeout, None);
     assert_eq!(o.trace_buffer_size, 17);
+    assert!(o.blocking_wait);
     assert_eq!((o.timeout, o.init_timeout), (Duration::from_millis(1500), Duration::from_millis(1500)));
     // COHORT_* wins over TORCH_NCCL_*.
     let o = NcclOptions::from_lookup(env(&[("COHORT_DESYNC_DEBUG", "0"), ("TORCH_NCCL_DESYNC_DEBUG", "1")])).unwrap();
