@@ -38,6 +38,9 @@ use crate::work::{GroupId, IllegalTransition, Lifecycle, OpType, Rank, SeqNo, Wo
 /// Gloo's default collective timeout (30 minutes).
 pub const DEFAULT_TIMEOUT: Duration = Duration::from_secs(30 * 60);
 
+/// Stuck notes kept per peer (one per collective it was stuck in); older ones are dropped.
+const STUCK_NOTES_PER_PEER: usize = 64;
+
 /// What the group does after a work fails, mirroring `TORCH_NCCL_ASYNC_ERROR_HANDLING`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
 pub enum ErrorHandling {
@@ -716,8 +719,11 @@ pub struct GroupState {
     departed: std::collections::BTreeSet<Rank>,
     /// Peers connected so far ([`GroupConfig::lazy_peers`]; every peer otherwise).
     connected: std::collections::BTreeSet<Rank>,
-    /// Each peer's latest stuck note: the collective it was stuck in and whom it waited for.
-    peer_stuck: BTreeMap<Rank, (SeqNo, Vec<Rank>)>,
+    /// Each peer's stuck notes, by the collective it was stuck in: whom it waited for. Kept per
+    /// collective, not just the latest: with several collectives in flight (DDP's buckets) a
+    /// peer sends a note for each, and the chain of collective `seq` must read the note for
+    /// `seq`, not one for a later bucket. At most [`STUCK_NOTES_PER_PEER`] per peer.
+    peer_stuck: BTreeMap<Rank, BTreeMap<SeqNo, Vec<Rank>>>,
     health: Health,
     transmits: VecDeque<Transmit>,
     launches: VecDeque<Launch>,
@@ -1013,7 +1019,12 @@ impl GroupState {
                 if from != self.rank && from.0 < self.cfg.world_size {
                     waiting_on.retain(|r| r.0 < self.cfg.world_size);
                     waiting_on.truncate(self.cfg.world_size as usize);
-                    self.peer_stuck.insert(from, (seq, waiting_on));
+                    let notes = self.peer_stuck.entry(from).or_default();
+                    notes.insert(seq, waiting_on);
+                    // A peer's notes are bounded: the oldest go first.
+                    while notes.len() > STUCK_NOTES_PER_PEER {
+                        notes.pop_first();
+                    }
                 }
             }
         }
@@ -1301,14 +1312,16 @@ impl GroupState {
     }
 
     /// Follow peers' stuck notes from `first` (the one rank collective `seq` waits for): each
-    /// rank that said it was stuck in `seq`, or in an earlier collective (it cannot reach `seq`
-    /// before that one ends), waiting for one rank leads to that rank.
+    /// rank that said it was stuck in `seq` waiting for one rank leads to that rank. A rank
+    /// with no note for `seq` is read by its note for the latest earlier collective it was
+    /// stuck in (it cannot finish `seq` before that one ends); notes for later collectives
+    /// (later buckets in flight) say nothing about `seq`.
     fn stuck_chain(&self, seq: SeqNo, first: Rank) -> Vec<Rank> {
         let mut chain = Vec::new();
         let mut at = first;
-        while let Some((s, on)) = self.peer_stuck.get(&at) {
+        while let Some((_, on)) = self.peer_stuck.get(&at).and_then(|notes| notes.range(..=seq).next_back()) {
             match on.as_slice() {
-                [next] if *s <= seq && *next != self.rank && *next != first && !chain.contains(next) => {
+                [next] if *next != self.rank && *next != first && !chain.contains(next) => {
                     chain.push(*next);
                     at = *next;
                 }
@@ -1553,6 +1566,73 @@ mod tests {
             _ => None,
         });
         assert_eq!(culprit, Some(Some(Rank(1))), "a note pointing back at this rank ends the chain");
+    }
+
+    /// Deliver every control message `groups[from]` has queued to its addressee.
+    fn deliver(groups: &mut [GroupState], from: usize, now: Instant) {
+        while let Some(t) = groups[from].poll_transmit() {
+            groups[t.to.index()].handle_message(now, Rank(from as u32), t.msg);
+        }
+    }
+
+    /// DDP's step on 4 ranks: ranks 0, 1 and 3 each issue four bucket allreduces (seq 1..=4);
+    /// rank 2 hangs and issues none. The ring makes rank 1 wait for rank 0, rank 0 for rank 3
+    /// and rank 3 for rank 2, in every bucket. Returned halfway to the deadline, once every
+    /// rank's stuck notes (one per bucket: seq 4's arrives after seq 1's) were delivered.
+    fn buckets_in_flight_with_rank_2_hung() -> (Vec<GroupState>, Instant) {
+        let (g0, t0) = group(4, 0, ErrorHandling::CleanUpOnly);
+        let mut groups: Vec<GroupState> = (0..4).map(|r| GroupState::new(g0.config().clone(), Rank(r), t0)).collect();
+        for (r, waits_for) in [(0, 3), (1, 0), (3, 2)] {
+            let g = &mut groups[r];
+            let ids: Vec<WorkId> = (0..4).map(|_| g.submit(t0, allreduce(1024)).unwrap()).collect();
+            while g.poll_launch().is_some() {}
+            for id in ids {
+                g.handle_started(t0, id);
+                g.handle_waiting_on(t0, id, &[Rank(waits_for)]);
+            }
+        }
+        let half = t0 + Duration::from_secs(5);
+        for g in &mut groups {
+            g.handle_timeout(half);
+        }
+        for r in 0..4 {
+            deliver(&mut groups, r, half);
+        }
+        (groups, t0)
+    }
+
+    #[test]
+    fn with_several_buckets_in_flight_every_rank_blames_the_rank_that_never_came() {
+        for first in [1, 0, 3] {
+            let (mut groups, t0) = buckets_in_flight_with_rank_2_hung();
+            let s = |ms| t0 + Duration::from_millis(ms);
+            groups[first].handle_timeout(s(10_000));
+            let failure = groups[first].failure().expect("the first rank timed out").clone();
+            assert_eq!(failure.culprit, Some(Rank(2)), "rank {first}: {}", failure.message);
+            if first != 3 {
+                // Rank 3 waits for rank 2 itself; the others followed the chain to it.
+                assert!(failure.message.contains("rank 2 is the likely culprit"), "{}", failure.message);
+            }
+            if first == 1 {
+                assert!(
+                    failure.message.contains("still waiting for rank(s) [0]; rank 0 → rank 3 → rank 2: each said"),
+                    "{}",
+                    failure.message
+                );
+            }
+            // Every other rank hears it (rank 2 relays it too) and blames rank 2 as well.
+            deliver(&mut groups, first, s(10_001));
+            deliver(&mut groups, 2, s(10_002));
+            for (r, g) in groups.iter_mut().enumerate() {
+                let failure = g.failure().unwrap_or_else(|| panic!("rank {r} did not fail"));
+                assert_eq!(failure.culprit, Some(Rank(2)), "rank {r}: {}", failure.message);
+                for e in drain_events(g) {
+                    if let Event::WorkFinished(w) = e {
+                        assert_eq!(w.result.culprit(), Some(Rank(2)), "rank {r}: {}", w.result);
+                    }
+                }
+            }
+        }
     }
 
     #[test]
