@@ -454,12 +454,22 @@ impl<D: Device> NcclProcessGroup<D> {
             store.set(&key, &id).await?;
             id
         } else {
-            let v = tokio::time::timeout(opts.init_timeout, store.get(&key)).await.map_err(|_| {
-                NcclError::Timeout(format!(
-                    "rank 0 did not publish the NCCL unique id ({key}) within {} ms",
-                    opts.init_timeout.as_millis()
-                ))
-            })??;
+            // Polled with CHECK rather than a blocking GET: a TcpStore client runs one call at a
+            // time, and a GET parked on it would hold up every other user of the client (rank 0's
+            // SET among them, where ranks share one).
+            let deadline = tokio::time::Instant::now() + opts.init_timeout;
+            let mut delay = Duration::from_millis(1);
+            while !store.check(&[key.as_str()]).await? {
+                if tokio::time::Instant::now() >= deadline {
+                    return Err(NcclError::Timeout(format!(
+                        "rank 0 did not publish the NCCL unique id ({key}) within {} ms",
+                        opts.init_timeout.as_millis()
+                    )));
+                }
+                tokio::time::sleep(delay).await;
+                delay = (delay * 2).min(Duration::from_millis(20));
+            }
+            let v = store.get(&key).await?;
             v.as_slice().try_into().map_err(|_| {
                 NcclError::Invalid(format!("store key {key} holds {} bytes, an NCCL unique id has 128", v.len()))
             })?
