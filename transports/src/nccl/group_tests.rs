@@ -452,12 +452,13 @@ fn shrink_is_refused_below_nccl_2_27() {
 fn the_monitor_reports_a_watchdog_that_stopped() {
     let rt = runtime();
     let opts = NcclOptions {
-        heartbeat_timeout: Some(Duration::from_millis(200)),
+        // Long enough that a busy CI machine does not starve a beating watchdog for as long.
+        heartbeat_timeout: Some(Duration::from_secs(1)),
         monitor_action: MonitorAction::Report,
         ..quick()
     };
     let pgs = world(&rt, 1, opts);
-    std::thread::sleep(Duration::from_millis(400));
+    std::thread::sleep(Duration::from_millis(1500));
     assert!(!pgs[0].monitor_fired(), "a beating watchdog is left alone");
     pgs[0].stall_watchdog(true);
     let deadline = std::time::Instant::now() + Duration::from_secs(5);
