@@ -1,9 +1,18 @@
 //! `cohort launch`: a torchrun-style launcher for local rank processes.
+//!
+//! When a rank fails (a non-zero exit or a signal) the others are not stopped at once: a rank
+//! that loses a peer names it a few milliseconds later, and a SIGTERM sent first would kill it
+//! before it says so. They get `--grace` seconds to end on their own, with their output still
+//! relayed; then SIGTERM, and [`TERM_TIMEOUT`] later SIGKILL. The launcher ends with a summary
+//! on stderr: the first failure, each other rank's last error line ([`is_error_line`]) and
+//! where the flight-recorder dumps are.
 
 use std::io::{BufRead, BufReader, Read, Write};
 use std::net::TcpListener;
 use std::os::unix::process::ExitStatusExt;
+use std::path::Path;
 use std::process::{Child, Command, ExitStatus, Stdio};
+use std::sync::{Arc, Mutex};
 use std::thread::{self, JoinHandle};
 use std::time::{Duration, Instant};
 
@@ -29,8 +38,10 @@ pub(crate) struct LaunchArgs {
     /// Port of the store, which node 0 hosts; 0 picks a free one (single node only).
     #[arg(long, default_value_t = 0)]
     master_port: u16,
-    /// Seconds to let the other ranks exit after one fails, before killing them.
-    #[arg(long, default_value_t = 5.0, value_name = "SECONDS")]
+    /// After a rank fails, seconds the other ranks get to fail (and say why) on their own, with
+    /// their output still relayed, before they get SIGTERM (and SIGKILL 5 s after that); 0
+    /// sends SIGTERM at once.
+    #[arg(long, default_value_t = 10.0, value_name = "SECONDS")]
     grace: f64,
     /// Do not prefix output lines with the rank.
     #[arg(long)]
@@ -48,7 +59,29 @@ struct RankProc {
     rank: u32,
     child: Child,
     status: Option<ExitStatus>,
+    /// When the launcher reaped it.
+    ended_at: Option<Instant>,
     pumps: Vec<JoinHandle<()>>,
+    last_error: Arc<Mutex<LastError>>,
+}
+
+/// How long the launcher waits, once a rank failed, for others to fail before it names the
+/// first failure (at most `--grace`): see [`first_failed`].
+const SETTLE: Duration = Duration::from_millis(50);
+
+/// How long a rank that got SIGTERM has before SIGKILL.
+const TERM_TIMEOUT: Duration = Duration::from_secs(5);
+
+/// The longest error line the summary quotes (longer ones are cut, with "...").
+const MAX_ERROR_LINE: usize = 400;
+
+/// What a rank last wrote to stderr, for the summary.
+#[derive(Debug, Default)]
+struct LastError {
+    /// The last line that [`is_error_line`] accepts.
+    error: Option<String>,
+    /// The last non-empty line.
+    line: Option<String>,
 }
 
 /// Run the launcher; returns the process exit code.
@@ -106,40 +139,62 @@ pub(crate) fn run(args: LaunchArgs) -> Result<i32, String> {
             }
         };
         let prefix = if args.no_prefix { String::new() } else { format!("[rank {rank}] ") };
+        let last_error = Arc::new(Mutex::new(LastError::default()));
         let mut pumps = Vec::new();
         if let Some(out) = child.stdout.take() {
-            pumps.push(pump(out, prefix.clone(), false));
+            pumps.push(pump(out, prefix.clone(), None));
         }
         if let Some(err) = child.stderr.take() {
-            pumps.push(pump(err, prefix, true));
+            pumps.push(pump(err, prefix, Some(Arc::clone(&last_error))));
         }
-        procs.push(RankProc { rank, child, status: None, pumps });
+        procs.push(RankProc { rank, child, status: None, ended_at: None, pumps, last_error });
     }
 
     let grace = Duration::from_secs_f64(args.grace);
     let mut first_failure: Option<(u32, ExitStatus)> = None;
-    while procs.iter().any(|p| p.status.is_none()) {
+    // When the launcher first saw a rank fail.
+    let mut failed_at: Option<Instant> = None;
+    // After the first failure: when the ranks still running get SIGTERM, then SIGKILL.
+    let mut term_at: Option<Instant> = None;
+    let mut kill_at: Option<Instant> = None;
+    loop {
         reap(&mut procs);
+        let now = Instant::now();
+        let all_ended = procs.iter().all(|p| p.status.is_some());
+        if failed_at.is_none() && procs.iter().any(|p| p.status.is_some_and(|s| !s.success())) {
+            failed_at = Some(now);
+        }
         if first_failure.is_none()
-            && let Some(p) = procs.iter().find(|p| p.status.is_some_and(|s| !s.success()))
+            && let Some(at) = failed_at
+            && (now >= at + grace.min(SETTLE) || all_ended)
+            && let Some(p) = first_failed(&procs)
         {
-            let status = p.status.expect("just matched");
+            let status = p.status.expect("first_failed picks a reaped rank");
             first_failure = Some((p.rank, status));
             eprintln!(
-                "cohort launch: rank {} {}; stopping the other ranks (grace {:.1} s)",
+                "cohort launch: rank {} {}; stopping the other ranks: they have {:.1} s (--grace) to end on \
+                 their own, then SIGTERM",
                 p.rank,
                 describe(status),
                 grace.as_secs_f64()
             );
-            // Ask politely, wait out the grace period, then kill what is left.
+            term_at = Some(at + grace);
+        }
+        if all_ended {
+            break;
+        }
+        if term_at.is_some_and(|t| now >= t) {
+            term_at = None;
+            kill_at = Some(now + TERM_TIMEOUT);
+            let running: Vec<u32> = procs.iter().filter(|p| p.status.is_none()).map(|p| p.rank).collect();
+            if grace > Duration::ZERO {
+                eprintln!("cohort launch: grace over; sending SIGTERM to rank(s) {running:?}");
+            }
             for other in procs.iter().filter(|p| p.status.is_none()) {
                 terminate(&other.child);
             }
-            let until = Instant::now() + grace;
-            while Instant::now() < until && procs.iter().any(|p| p.status.is_none()) {
-                thread::sleep(Duration::from_millis(10));
-                reap(&mut procs);
-            }
+        }
+        if kill_at.is_some_and(|t| now >= t) {
             kill_all(&mut procs);
         }
         thread::sleep(Duration::from_millis(5));
@@ -150,6 +205,9 @@ pub(crate) fn run(args: LaunchArgs) -> Result<i32, String> {
         }
     }
     print_table(&procs);
+    if let Some((rank, status)) = first_failure {
+        print_summary(&procs, rank, status);
+    }
     drop(store);
     Ok(match first_failure {
         None => 0,
@@ -157,7 +215,13 @@ pub(crate) fn run(args: LaunchArgs) -> Result<i32, String> {
     })
 }
 
-fn pump<R: Read + Send + 'static>(stream: R, prefix: String, is_err: bool) -> JoinHandle<()> {
+/// Relays `stream` line by line to the launcher's stdout (`last_error` `None`) or stderr
+/// (`Some`: each line also updates it), as the lines come.
+fn pump<R: Read + Send + 'static>(
+    stream: R,
+    prefix: String,
+    last_error: Option<Arc<Mutex<LastError>>>,
+) -> JoinHandle<()> {
     thread::spawn(move || {
         let mut reader = BufReader::new(stream);
         let mut line = Vec::new();
@@ -166,18 +230,67 @@ fn pump<R: Read + Send + 'static>(stream: R, prefix: String, is_err: bool) -> Jo
             match reader.read_until(b'\n', &mut line) {
                 Ok(0) | Err(_) => break,
                 Ok(_) => {
-                    let mut out: Box<dyn Write> =
-                        if is_err { Box::new(std::io::stderr().lock()) } else { Box::new(std::io::stdout().lock()) };
+                    let mut out: Box<dyn Write> = if last_error.is_some() {
+                        Box::new(std::io::stderr().lock())
+                    } else {
+                        Box::new(std::io::stdout().lock())
+                    };
                     let _ = out.write_all(prefix.as_bytes());
                     let _ = out.write_all(&line);
                     if !line.ends_with(b"\n") {
                         let _ = out.write_all(b"\n");
                     }
                     let _ = out.flush();
+                    drop(out);
+                    if let Some(last) = &last_error {
+                        note_line(last, &line);
+                    }
                 }
             }
         }
     })
+}
+
+/// Whether the summary quotes `line` as a rank's error: it contains "error", "fail",
+/// "timed out", "exception" or "panicked" (any case). A rank's last error line is the last
+/// stderr line that passes, else its last non-empty stderr line.
+fn is_error_line(line: &str) -> bool {
+    let lower = line.to_lowercase();
+    ["error", "fail", "timed out", "exception", "panicked"].iter().any(|w| lower.contains(w))
+}
+
+fn note_line(last: &Mutex<LastError>, line: &[u8]) {
+    let text = String::from_utf8_lossy(line);
+    let text = text.trim();
+    if text.is_empty() {
+        return;
+    }
+    let mut text = text.to_owned();
+    if text.len() > MAX_ERROR_LINE {
+        let mut cut = MAX_ERROR_LINE;
+        while !text.is_char_boundary(cut) {
+            cut -= 1;
+        }
+        text.truncate(cut);
+        text.push_str("...");
+    }
+    // A pump that panicked while holding the lock left a whole value behind: keep using it.
+    let mut last = last.lock().unwrap_or_else(|e| e.into_inner());
+    if is_error_line(&text) {
+        last.error = Some(text.clone());
+    }
+    last.line = Some(text);
+}
+
+/// The rank to report as the first failure. The launcher polls, so ranks that end within a
+/// few milliseconds of each other may be reaped in either order (a rank SIGKILLed while stopped
+/// closes its sockets before it can be reaped, and a peer that sees the EOF may exit first):
+/// after the first failure the launcher waits [`SETTLE`] for others, then picks a rank killed by
+/// a signal over one that exited with an error (the usual reaction to a lost peer), then the
+/// one reaped first, then the lowest rank.
+fn first_failed(procs: &[RankProc]) -> Option<&RankProc> {
+    let failed = procs.iter().filter(|p| p.status.is_some_and(|s| !s.success()));
+    failed.min_by_key(|p| (p.status.and_then(|s| s.signal()).is_none(), p.ended_at, p.rank))
 }
 
 fn terminate(child: &Child) {
@@ -188,10 +301,12 @@ fn terminate(child: &Child) {
     }
 }
 
+/// Collects the exit status of every rank that has ended.
 fn reap(procs: &mut [RankProc]) {
     for p in procs.iter_mut().filter(|p| p.status.is_none()) {
         if let Ok(Some(status)) = p.child.try_wait() {
             p.status = Some(status);
+            p.ended_at = Some(Instant::now());
         }
     }
 }
@@ -200,6 +315,7 @@ fn kill_all(procs: &mut [RankProc]) {
     for p in procs.iter_mut().filter(|p| p.status.is_none()) {
         let _ = p.child.kill();
         p.status = p.child.wait().ok();
+        p.ended_at = Some(Instant::now());
     }
 }
 
@@ -229,15 +345,40 @@ fn signal_name(sig: i32) -> &'static str {
 fn print_table(procs: &[RankProc]) {
     eprintln!("cohort launch: {:<6} {:<8} exit", "rank", "pid");
     for p in procs {
-        let exit = match p.status {
-            Some(s) => match (s.code(), s.signal()) {
-                (Some(c), _) => format!("code {c}"),
-                (None, Some(sig)) => format!("signal {sig} ({})", signal_name(sig)),
-                (None, None) => "unknown".into(),
-            },
-            None => "not reaped".into(),
+        eprintln!("cohort launch: {:<6} {:<8} {}", p.rank, p.child.id(), exit_text(p.status));
+    }
+}
+
+fn exit_text(status: Option<ExitStatus>) -> String {
+    match status {
+        Some(s) => match (s.code(), s.signal()) {
+            (Some(c), _) => format!("code {c}"),
+            (None, Some(sig)) => format!("signal {sig} ({})", signal_name(sig)),
+            (None, None) => "unknown".into(),
+        },
+        None => "not reaped".into(),
+    }
+}
+
+/// The summary after a failure: the first failure, every rank's last error line (see
+/// [`is_error_line`]) and where the flight-recorder dumps are.
+fn print_summary(procs: &[RankProc], first: u32, status: ExitStatus) {
+    eprintln!("cohort launch: summary: rank {first} failed first: it {}", describe(status));
+    for p in procs {
+        let last = p.last_error.lock().unwrap_or_else(|e| e.into_inner());
+        let said = match (&last.error, &last.line) {
+            (Some(e), _) | (None, Some(e)) => e.as_str(),
+            (None, None) => "(nothing on stderr)",
         };
-        eprintln!("cohort launch: {:<6} {:<8} {exit}", p.rank, p.child.id());
+        eprintln!("cohort launch:   rank {} ({}): {said}", p.rank, exit_text(p.status));
+    }
+    for var in ["COHORT_DUMP_ON_FAILURE", "TORCH_NCCL_DEBUG_INFO_TEMP_FILE"] {
+        let Ok(prefix) = std::env::var(var) else { continue };
+        let written: Vec<u32> =
+            procs.iter().map(|p| p.rank).filter(|r| Path::new(&format!("{prefix}{r}.json")).exists()).collect();
+        eprintln!("cohort launch:   dumps ({var}): {prefix}<rank>.json; written by rank(s) {written:?}");
+        // The ranks read the first of the two that is set.
+        break;
     }
 }
 
