@@ -271,7 +271,7 @@ fn nccl_emu() -> Result<(), String> {
     let device = Arc::new(EmuDevice::new(cfg));
     let opts = NcclOptions::from_env().map_err(|e| e.to_string())?;
     let pg = rt
-        .block_on(NcclProcessGroup::new(device, store, "mp", rank, world, opts, rt.handle().clone()))
+        .block_on(NcclProcessGroup::new(device, store.clone(), "mp", rank, world, opts, rt.handle().clone()))
         .map_err(|e| format!("init: {e}"))?;
     let t = pg.to_device(&Tensor::from_slice(&[rank as f32, 1.0])).map_err(|e| e.to_string())?;
     pg.allreduce(&t, ReduceOp::Sum).map_err(|e| e.to_string())?.wait().map_err(|e| e.to_string())?;
@@ -284,11 +284,25 @@ fn nccl_emu() -> Result<(), String> {
         std::thread::sleep(Duration::from_secs(5));
         return Ok(());
     }
-    match pg.allreduce(&t, ReduceOp::Sum).map_err(|e| e.to_string())?.wait() {
+    let outcome = match pg.allreduce(&t, ReduceOp::Sum).map_err(|e| e.to_string())?.wait() {
         Ok(()) => Err("the second allreduce completed without the skipping rank".into()),
         Err(e) => {
             println!("failed culprit {:?} :: {e}", e.culprit().map(|r| r.0));
             Ok(())
         }
+    };
+    // Rank 0 hosts the store, which carries the fabric: it stays until every other survivor has
+    // seen its own failure, or theirs would be the store going away.
+    let done = |r: u32| format!("test/done/{r}");
+    rt.block_on(store.set(&done(rank), b"1")).map_err(|e| e.to_string())?;
+    if rank == 0 {
+        let skip = skipped();
+        let others: Vec<String> = (1..world).filter(|r| !skip.contains(r)).map(done).collect();
+        let keys: Vec<&str> = others.iter().map(String::as_str).collect();
+        let deadline = std::time::Instant::now() + Duration::from_secs(30);
+        while !rt.block_on(store.check(&keys)).map_err(|e| e.to_string())? && std::time::Instant::now() < deadline {
+            std::thread::sleep(Duration::from_millis(10));
+        }
     }
+    outcome
 }
