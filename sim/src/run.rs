@@ -841,20 +841,8 @@ impl RankCtx {
             Ok(pg) => pg,
             Err(e) => return self.end(Fate::InitFailed { error: e.to_string() }),
         };
-        let events = self.slot().events.clone();
-        pg.set_completion_hook(move |info| {
-            events.lock().unwrap_or_else(|p| p.into_inner()).push(WorkEvent {
-                seq: info.seq.0,
-                op: info.op.to_string(),
-                state: info.state,
-                at_ms: sim_ms(),
-            });
-        });
-        {
-            let mut slot = self.slot();
-            slot.pg = Some(pg.clone());
-            slot.joined_ms = Some(sim_ms());
-        }
+        self.joined(&pg);
+        self.slot().pg = Some(pg.clone());
         let fate = match &cfg.workload {
             Workload::Script(script) => self.run_script(&pg, script).await,
             Workload::Custom { run, .. } => match run(pg.clone()).await {
@@ -869,6 +857,20 @@ impl RankCtx {
         self.slot().dump = Some(pg.flight_recorder_json());
         self.end(fate);
         pg.shutdown_async().await;
+    }
+
+    /// The rank joined its group: the report records when, and every work the group finishes.
+    fn joined<G: SimGroup>(&self, pg: &G) {
+        let events = self.slot().events.clone();
+        pg.set_completion_hook(move |info| {
+            events.lock().unwrap_or_else(|p| p.into_inner()).push(WorkEvent {
+                seq: info.seq.0,
+                op: info.op.to_string(),
+                state: info.state,
+                at_ms: sim_ms(),
+            });
+        });
+        self.slot().joined_ms = Some(sim_ms());
     }
 
     async fn run_script<G: SimGroup>(&self, pg: &G, script: &Script) -> Fate {
@@ -1013,6 +1015,8 @@ trait SimGroup {
     fn failure(&self) -> Option<cohort_core::group::GroupFailure>;
     /// The flight recorder.
     fn flight_recorder_json(&self) -> String;
+    /// Call `hook` with every work the group finishes.
+    fn set_completion_hook(&self, hook: impl Fn(&cohort_transports::WorkInfo) + Send + Sync + 'static);
     /// Arm a device fault for the next collective (only the NCCL backend has a device).
     fn inject(&self, _fault: DeviceFault) {}
 }
@@ -1034,5 +1038,9 @@ impl SimGroup for ProcessGroup {
 
     fn flight_recorder_json(&self) -> String {
         ProcessGroup::flight_recorder_json(self)
+    }
+
+    fn set_completion_hook(&self, hook: impl Fn(&cohort_transports::WorkInfo) + Send + Sync + 'static) {
+        ProcessGroup::set_completion_hook(self, hook);
     }
 }

@@ -13,7 +13,7 @@ use cohort_transports::nccl::emu::{EmuConfig, EmuDevice, EmuFault, StoreFabric};
 use cohort_transports::nccl::{DeviceTensor, NcclOptions, NcclProcessGroup, NcclResult};
 use cohort_transports::{Store, TcpStore, TcpStoreConfig, Work};
 
-use super::{Fate, RankCtx, STORE_HOST, STORE_PORT, SimGroup, WALL_CLOCK_START_NS, WorkEvent, sim_ms};
+use super::{Fate, RankCtx, STORE_HOST, STORE_PORT, SimGroup, WALL_CLOCK_START_NS, sim_ms};
 use crate::net::TurmoilNet;
 use crate::plan::{DeviceFault, SLOW_KERNEL_MS};
 use crate::workload::{ScriptOp, Step, input};
@@ -61,20 +61,8 @@ impl RankCtx {
             Ok(pg) => pg,
             Err(e) => return self.end(Fate::InitFailed { error: e.to_string() }),
         };
-        let events = self.slot().events.clone();
-        pg.set_completion_hook(move |info| {
-            events.lock().unwrap_or_else(|p| p.into_inner()).push(WorkEvent {
-                seq: info.seq.0,
-                op: info.op.to_string(),
-                state: info.state,
-                at_ms: sim_ms(),
-            });
-        });
-        {
-            let mut slot = self.slot();
-            slot.nccl = Some(pg.clone());
-            slot.joined_ms = Some(sim_ms());
-        }
+        self.joined(&pg);
+        self.slot().nccl = Some(pg.clone());
         let fate = match &cfg.workload {
             super::Workload::Script(script) => self.run_script(&pg, script).await,
             super::Workload::Custom { .. } => {
@@ -112,6 +100,10 @@ impl SimGroup for Pg {
 
     fn flight_recorder_json(&self) -> String {
         NcclProcessGroup::flight_recorder_json(self)
+    }
+
+    fn set_completion_hook(&self, hook: impl Fn(&cohort_transports::WorkInfo) + Send + Sync + 'static) {
+        NcclProcessGroup::set_completion_hook(self, hook);
     }
 
     fn inject(&self, fault: DeviceFault) {
