@@ -361,6 +361,12 @@ impl HostBuffer {
         self.lock().clone()
     }
 
+    /// `len` bytes from `offset`, if they are inside the buffer.
+    pub fn read(&self, offset: usize, len: usize) -> Option<Vec<u8>> {
+        let end = offset.checked_add(len)?;
+        self.lock().get(offset..end).map(<[u8]>::to_vec)
+    }
+
     /// Writes `bytes` at `offset`; false (and nothing written) if they do not fit.
     pub fn write(&self, offset: usize, bytes: &[u8]) -> bool {
         let mut b = self.lock();

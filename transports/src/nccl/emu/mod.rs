@@ -223,7 +223,9 @@ impl Marker {
 /// Emulated device memory. Cloning hands out another reference to the same memory.
 #[derive(Clone)]
 pub struct EmuBuffer {
-    mem: Arc<Mutex<Vec<u8>>>,
+    /// Host memory standing for device memory: the same shared, bounds-checked bytes as a
+    /// [`HostBuffer`].
+    mem: HostBuffer,
 }
 
 impl fmt::Debug for EmuBuffer {
@@ -233,38 +235,24 @@ impl fmt::Debug for EmuBuffer {
 }
 
 impl EmuBuffer {
-    fn lock(&self) -> MutexGuard<'_, Vec<u8>> {
-        // Every write is one copy: a poisoned buffer still holds whole values.
-        self.mem.lock().unwrap_or_else(PoisonError::into_inner)
-    }
-
     fn len(&self) -> usize {
-        self.lock().len()
+        self.mem.len()
     }
 
     /// A copy of its bytes now, bypassing every stream: an emulation-only peek for tests (on
     /// CUDA, read through [`Device::copy_to_host`]).
     pub fn to_vec(&self) -> Vec<u8> {
-        self.lock().clone()
+        self.mem.to_vec()
     }
 
     /// `len` bytes from `offset`, if they are inside the buffer.
     fn read(&self, offset: usize, len: usize) -> Option<Vec<u8>> {
-        let b = self.lock();
-        let end = offset.checked_add(len)?;
-        b.get(offset..end).map(<[u8]>::to_vec)
+        self.mem.read(offset, len)
     }
 
     /// Writes `bytes` at `offset`; false (and nothing written) if they do not fit.
     fn write(&self, offset: usize, bytes: &[u8]) -> bool {
-        let mut b = self.lock();
-        match offset.checked_add(bytes.len()) {
-            Some(end) if end <= b.len() => {
-                b[offset..end].copy_from_slice(bytes);
-                true
-            }
-            _ => false,
-        }
+        self.mem.write(offset, bytes)
     }
 }
 
@@ -513,7 +501,7 @@ impl Device for EmuDevice {
 
     fn alloc(&self, bytes: usize) -> Result<EmuBuffer, NcclError> {
         self.check("cudaMalloc")?;
-        Ok(EmuBuffer { mem: Arc::new(Mutex::new(vec![0; bytes])) })
+        Ok(EmuBuffer { mem: HostBuffer::new(bytes) })
     }
 
     fn buffer_len(&self, buf: &EmuBuffer) -> usize {
