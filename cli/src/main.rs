@@ -5,13 +5,11 @@ use std::process::ExitCode;
 use clap::error::ErrorKind;
 use clap::{Parser, Subcommand};
 
-/// The `cohort` binary allocates with mimalloc. With glibc's allocator a rank page-faulted on
-/// every large collective (`/usr/bin/time` counted 112,752 minor faults for a 13-iteration
-/// 64 MiB `cohort bench --ranks 2`, against 645 with mimalloc), and its small allocations cost
-/// about a tenth of the CPU time of 16 zero-element allreduces in flight. Alternated against
-/// glibc's (`cohort bench --ranks 2 -c 0 --json`, 8 to 10 alternations): 64 MiB 0.88–0.91 of
-/// the time, 1 MiB 0.94–0.95, 4 B 0.94–0.95, 16 in flight 0.81–0.82; peak RSS 109–125 MB
-/// against 93–113. A program that embeds the library picks its own allocator.
+/// The `cohort` binary allocates with mimalloc. glibc's allocator hands freed large blocks back
+/// to the kernel, so a rank would fault fresh, zeroed pages in on every large collective, and
+/// its small allocations are a visible share of a small work's cost. mimalloc keeps both down
+/// at the price of a somewhat larger resident set (figures in `docs/performance.md`). A
+/// program that embeds the library picks its own allocator.
 #[global_allocator]
 static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
 

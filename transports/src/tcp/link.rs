@@ -18,14 +18,13 @@ const COALESCE_LIMIT: usize = 64 * 1024;
 /// senders (the part of a chunk the socket did not take, queued for the writer).
 ///
 /// Without it a rank would map fresh pages for chunks (the allocator hands large blocks back
-/// to the kernel), and page faults were the largest cost of a 64 MiB allreduce. Keeping what
-/// is given back is not enough either: the buffers a rank needs at once peak when a peer that
-/// started a collective first sends its part before this rank has started it (each chunk
-/// waits in a buffer until then), and every new peak mapped fresh pages inside a timed
-/// collective. On the 2-core VM that backs fresh guest memory slowly, one such iteration of a
-/// 64 MiB allreduce took 60-120 ms instead of 30, spent zeroing new pages. So a collective that
-/// receives large chunks first [`reserves`](BufferPool::reserve) buffers for what it
-/// receives, made and touched at once, and the pool keeps what is given back while it holds
+/// to the kernel), and the page faults of a large collective can cost more than its copies.
+/// Keeping what is given back is not enough either: the buffers a rank needs at once peak when
+/// a peer that started a collective first sends its part before this rank has started it (each
+/// chunk waits in a buffer until then), and every new peak would map and zero fresh pages in
+/// the middle of a collective, which is slow where the host backs new memory slowly. So a
+/// collective that receives large chunks first [`reserves`](BufferPool::reserve) buffers for
+/// what it receives, made and touched at once, and the pool keeps what is given back while it holds
 /// at most [`TcpOptions::buffer_pool_bytes`](super::TcpOptions::buffer_pool_bytes) (kept and out
 /// in frames together); only buffers past that go back to the allocator.
 ///
@@ -97,9 +96,8 @@ impl BufferPool {
     }
 
     /// A buffer with room for `len` bytes, its contents as they were: the kept one given back
-    /// last that has the room (likeliest still in cache: a 64 MiB allreduce, 2 ranks, took
-    /// 0.95–0.99 of the time with the first kept one, two alternated runs), else a new one of
-    /// at least the pool's buffer size. Below [`BufferPool::MIN`], a new empty one that the
+    /// last that has the room (likeliest still in cache), else a new one of at least the
+    /// pool's buffer size. Below [`BufferPool::MIN`], a new empty one that the
     /// pool does not count.
     fn lend(&self, len: usize) -> Vec<u8> {
         if len < Self::MIN {
@@ -143,8 +141,8 @@ impl BufferPool {
     /// making the missing ones now and writing every page of them, so that no chunk of this
     /// collective or of later ones of its size waits for the kernel to map memory. Does
     /// nothing for chunks below [`BufferPool::MIN`] (they are not pooled), and nothing once
-    /// the pool holds that much; a failed allocation just stops it (the buffers are made on
-    /// demand then, as before).
+    /// the pool holds that much; a failed allocation just stops it (the rest are then made on
+    /// demand).
     pub(crate) fn reserve(&self, total: usize, chunk: usize) {
         let (size, missing) = {
             let mut st = self.lock();

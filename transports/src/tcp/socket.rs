@@ -44,14 +44,10 @@ pub(crate) const REARM_GRACE: Duration = Duration::from_millis(1);
 /// wakes the runtime's thread, which on a host with as many busy threads as cores takes the
 /// core of a polling thread (this rank's or its peer's), so the task waits twice as long after
 /// each look that finds a thread polling, from [`REARM_GRACE`] up to this; the first look
-/// that re-arms starts over. Traced on the 2-core VM, 4-byte allreduces in a loop: about 5% of
-/// the iterations had a reader task's look in them, taking 3-4 times the median; with looks
-/// every 20 ms instead of every millisecond, the mean iteration took 0.94 of the time (8
-/// alternations); with this backoff, 16 zero-element works in flight took 0.86 (means, 8
-/// alternations). The price: once polling stops, the set may stay unarmed until the task's
-/// next look, so frames that nobody polls for then (a work submitted right after a run of
-/// polled ones and not waited for, a heartbeat) are read up to this much plus [`REARM_GRACE`]
-/// after the last polling thread finished, where it was 1-2 ms.
+/// that re-arms starts over. The price: once polling stops, the set may stay unarmed until the
+/// task's next look, so frames that nobody polls for then (a work submitted right after a run
+/// of polled ones and not waited for, a heartbeat) are read up to this much plus
+/// [`REARM_GRACE`] after the last polling thread finished.
 pub(crate) const REARM_BACKOFF_MAX: Duration = Duration::from_millis(8);
 
 /// What a reader task with an unarmed epoll set does next ([`Inner::rearm_in`]).
@@ -220,9 +216,8 @@ impl FastReader {
 
     /// Whether the reader task is draining the socket now. A thread polling for a work then
     /// finds the socket empty while the bytes it waits for are in the task's hands, and the
-    /// task, woken on that thread's core, may wait a whole time slice for it to stop spinning
-    /// (traced on the 2-core VM: a main thread polled an empty socket for 800 µs while its
-    /// reader task, holding the peer's frame, waited to run).
+    /// task, woken on that thread's core, may wait a whole time slice for it to stop spinning,
+    /// so the polling thread yields instead.
     pub(crate) fn task_draining(&self) -> bool {
         self.task_draining.load(Ordering::Acquire)
     }
