@@ -75,7 +75,7 @@ fn report(ranks: &mut [GroupState]) {
                     println!("t={at:>5} ms  rank {r}: {} seq {} {:?}: {}", w.op, w.seq, w.lifecycle.state(), w.result);
                 }
                 Event::GroupFailed(f) => {
-                    println!("          rank {r}: group failed, culprit {:?}", f.culprit.map(|c| c.0))
+                    println!("          rank {r}: group failed, culprit {:?}", f.culprit().map(|c| c.0))
                 }
                 _ => {}
             }

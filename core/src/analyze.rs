@@ -18,10 +18,19 @@
 //! | [`FindingKind::NeverStarted`] | every rank enqueued it, none completed it, and on some it never started (their device was stuck before it) |
 //! | [`FindingKind::P2pMismatch`] | a send and its receive disagree on size or dtype, or one side never posted |
 //! | [`FindingKind::Undecided`] | dumps are missing, so the culprit cannot be named |
+//! | [`FindingKind::Blamed`] | what the ranks' own failures blamed (`cohort_blame`), when most dumps agree and the dumps alone cannot decide |
+//!
+//! The dumps alone cannot see a crashed rank (it leaves no dump) or a network cut (every rank
+//! just stops). But our dumps also keep whom each failed work blamed when it failed. When the
+//! comparison is undecided, finds nothing, or only finds ranks stuck, and more than half of
+//! the dumps that recorded a failure blame the same rank(s) or the same cut, that blame is the
+//! finding. A cut with one rank alone on its side is that rank (cut off from the rest).
 //!
 //! Point-to-point ops are paired per ordered pair of ranks, in record order (the i-th send from
 //! a to b with the i-th receive on b from a, as `send a->b` / `recv b<-a` name them); they are
-//! checked when a group's collectives agree. `recv_anysource` is not paired.
+//! checked when a group's collectives agree. A receiver's `recv_any_source` entries, in
+//! record order, take the sends to it that no named receive took, oldest send first (the
+//! order the receiver's data plane met them), and are then checked like named pairs.
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::fmt;
@@ -29,7 +38,7 @@ use std::fmt;
 use serde::{Deserialize, Serialize};
 
 use crate::recorder::{Dump, DumpEntry, EntryState};
-use crate::work::Rank;
+use crate::work::{Blame, OpType, Rank, WorkState};
 
 /// What is wrong with one collective.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -92,6 +101,16 @@ pub enum FindingKind {
         /// Ranks without a dump.
         missing_dumps: Vec<Rank>,
     },
+    /// What the ranks' own failures blamed, agreed by more than half of the dumps that
+    /// recorded a failure in this group.
+    Blamed {
+        /// The blame.
+        blame: Blame,
+        /// The ranks whose dumps say so.
+        by: Vec<Rank>,
+        /// Ranks without a dump.
+        missing_dumps: Vec<Rank>,
+    },
 }
 
 /// The first disagreement in one process group.
@@ -117,6 +136,17 @@ impl Finding {
             FindingKind::StateMismatch { stuck, .. } => stuck.clone(),
             FindingKind::NeverStarted { not_started, .. } => not_started.clone(),
             FindingKind::Undecided { missing_dumps } => missing_dumps.clone(),
+            FindingKind::Blamed { blame: Blame::Cut { near, far }, .. } => {
+                // The smaller side of a cut (both, when even) is where to look first.
+                let mut out = match near.len().cmp(&far.len()) {
+                    std::cmp::Ordering::Less => near.clone(),
+                    std::cmp::Ordering::Greater => far.clone(),
+                    std::cmp::Ordering::Equal => near.iter().chain(far).copied().collect(),
+                };
+                out.sort();
+                out
+            }
+            FindingKind::Blamed { blame, .. } => blame.named().to_vec(),
             FindingKind::P2pMismatch { blame, .. } => blame.clone(),
             FindingKind::OpMismatch { by_op: by }
             | FindingKind::SizeMismatch { by_size: by }
@@ -208,6 +238,12 @@ impl fmt::Display for Finding {
                 "undecided: no dump from rank(s) {}; the culprit may be among them",
                 ranks_text(missing_dumps)
             ),
+            FindingKind::Blamed { blame, by, missing_dumps } => {
+                if !missing_dumps.is_empty() {
+                    write!(f, "no dump from rank(s) {}; ", ranks_text(missing_dumps))?;
+                }
+                write!(f, "the failures recorded by rank(s) {} blame {blame}", ranks_text(by))
+            }
         }
     }
 }
@@ -265,15 +301,26 @@ pub fn diagnose(dumps: &[(Rank, Dump)], world_size: Option<u32>) -> Diagnosis {
     // pg id → (sender, receiver) → (the sender's sends to the receiver, the receiver's receives
     // from the sender), each in record order.
     let mut p2p: BTreeMap<u64, P2pPairs<'_>> = BTreeMap::new();
+    // pg id → receiver → its receives from any source, in record order.
+    let mut any_source: BTreeMap<u64, BTreeMap<Rank, Vec<&DumpEntry>>> = BTreeMap::new();
     for (rank, dump) in dumps {
         for e in dump.entries.iter().filter(|e| e.is_p2p) {
             let pairs = p2p.entry(e.pg_id).or_default();
             match peer_of(op_name(e)) {
                 Some((true, peer)) => pairs.entry((*rank, peer)).or_default().0.push(e),
                 Some((false, peer)) => pairs.entry((peer, *rank)).or_default().1.push(e),
+                None if op_name(e) == OpType::RecvAnySource.name() => {
+                    any_source.entry(e.pg_id).or_default().entry(*rank).or_default().push(e);
+                }
                 None => {}
             }
             descs.entry(e.pg_id).or_insert_with(|| e.process_group.1.clone());
+        }
+    }
+    for (pg_id, receivers) in any_source {
+        let pairs = p2p.entry(pg_id).or_default();
+        for (receiver, recvs) in receivers {
+            pair_any_source(pairs, receiver, recvs);
         }
     }
 
@@ -283,13 +330,80 @@ pub fn diagnose(dumps: &[(Rank, Dump)], world_size: Option<u32>) -> Diagnosis {
         let pg_desc = descs.get(&pg_id).cloned().unwrap_or_default();
         let collective = groups.get(&pg_id).and_then(|g| first_disagreement(pg_id, &pg_desc, g, &missing_dumps));
         let found = collective.or_else(|| p2p.get(&pg_id).and_then(|p| p2p_disagreement(pg_id, &pg_desc, p, &have)));
+        let weak = found
+            .as_ref()
+            .is_none_or(|f| matches!(f.kind, FindingKind::Undecided { .. } | FindingKind::StateMismatch { .. }));
+        let found = match live_consensus(dumps, pg_id) {
+            Some((blame, by, seq, op)) if weak || matches!(blame, Blame::Cut { .. }) => {
+                let kind = FindingKind::Blamed { blame, by, missing_dumps: missing_dumps.clone() };
+                Some(Finding { pg_id, pg_desc, seq, op, kind })
+            }
+            _ => found,
+        };
         findings.extend(found);
     }
     Diagnosis { ranks: have.into_iter().collect(), findings }
 }
 
+/// The blame that more than half of the dumps with a failure in group `pg_id` give for their
+/// first failed, timed-out or refused entry (refused ones carry the group's failure), read
+/// from `cohort_blame`; with the ranks that give it and the seq and op of the earliest such
+/// entry. Undecided blames do not count as agreement. A cut is compared as a pair of sets
+/// (each rank sees itself on the near side), and a cut with one rank alone on a side is that
+/// rank.
+fn live_consensus(dumps: &[(Rank, Dump)], pg_id: u64) -> Option<(Blame, Vec<Rank>, u64, String)> {
+    let mut votes: Vec<(Blame, Vec<Rank>, u64, String)> = Vec::new();
+    let mut voters = 0;
+    for (rank, dump) in dumps {
+        let first = dump.entries.iter().filter(|e| e.pg_id == pg_id).find(|e| {
+            matches!(e.cohort_state, Some(WorkState::Failed | WorkState::TimedOut)) && e.cohort_blame.is_some()
+        });
+        let Some(e) = first else { continue };
+        voters += 1;
+        let Some(blame) = e.cohort_blame.as_ref().map(canonical).filter(Blame::is_decided) else { continue };
+        let seq = if e.is_p2p { e.p2p_seq_id } else { e.collective_seq_id };
+        match votes.iter_mut().find(|(b, ..)| *b == blame) {
+            Some((_, by, s, _)) => {
+                by.push(*rank);
+                *s = (*s).min(seq);
+            }
+            None => votes.push((blame, vec![*rank], seq, op_name(e).to_owned())),
+        }
+    }
+    let best = votes.into_iter().max_by_key(|(_, by, ..)| by.len())?;
+    (best.1.len() * 2 > voters).then_some(best)
+}
+
+/// A blame as the dumps compare it: a cut as (smaller set first, or the lower one), and a cut
+/// with one rank alone on a side as that rank.
+fn canonical(blame: &Blame) -> Blame {
+    match blame {
+        Blame::Cut { near, far } if far.len() == 1 => Blame::rank(far[0]),
+        Blame::Cut { near, .. } if near.len() == 1 => Blame::rank(near[0]),
+        Blame::Cut { near, far } if (near.len(), near) <= (far.len(), far) => Blame::cut(near.clone(), far.clone()),
+        Blame::Cut { near, far } => Blame::cut(far.clone(), near.clone()),
+        other => other.clone(),
+    }
+}
+
 /// Sends and receives between ordered pairs of ranks: (sender, receiver) → (sends, receives).
 type P2pPairs<'a> = BTreeMap<(Rank, Rank), (Vec<&'a DumpEntry>, Vec<&'a DumpEntry>)>;
+
+/// Give `receiver`'s any-source receives (in record order) the sends to it that no named
+/// receive took, oldest first: each becomes a receive from that send's sender. Any-source
+/// receives left over (nothing was sent for them) are not paired.
+fn pair_any_source<'a>(pairs: &mut P2pPairs<'a>, receiver: Rank, recvs: Vec<&'a DumpEntry>) {
+    let mut unclaimed: Vec<(u64, Rank)> = Vec::new();
+    for (&(sender, to), (sends, named)) in pairs.iter() {
+        if to == receiver {
+            unclaimed.extend(sends.iter().skip(named.len()).map(|s| (s.time_created_ns, sender)));
+        }
+    }
+    unclaimed.sort();
+    for ((_, sender), recv) in unclaimed.into_iter().zip(recvs) {
+        pairs.entry((sender, receiver)).or_default().1.push(recv);
+    }
+}
 
 /// `send 0->1` → (true, 1); `recv 1<-0` → (false, 0); anything else (recv_anysource) → None.
 fn peer_of(op: &str) -> Option<(bool, Rank)> {
@@ -446,7 +560,7 @@ mod tests {
             let shape = [numel];
             let t = [TensorMeta { dtype, shape: &shape }];
             let name = format!("tcp:{op}");
-            let p2p = op.starts_with("send ") || op.starts_with("recv ");
+            let p2p = op.starts_with("send ") || op.starts_with("recv ") || op == "recv_any_source";
             let id = fr
                 .record(
                     Duration::from_millis(i as u64),
@@ -590,5 +704,66 @@ mod tests {
             None,
         );
         assert!(d.is_healthy(), "{d}");
+    }
+
+    /// `dump` with its last entry failed, blaming `blame`.
+    fn failed_dump(rank: u32, world: u32, n: usize, blame: Blame) -> (Rank, Dump) {
+        let ops: Vec<(&str, usize, DType, bool)> = (0..n).map(|i| ("all_reduce", 4, DType::F32, i + 1 < n)).collect();
+        let (r, mut d) = dump(rank, world, &ops);
+        let last = d.entries.last_mut().expect("an entry");
+        last.cohort_state = Some(WorkState::Failed);
+        last.cohort_blame = Some(blame);
+        (r, d)
+    }
+
+    #[test]
+    fn what_most_dumps_blamed_decides_what_the_dumps_alone_cannot() {
+        // A crash: rank 2 left no dump; the survivors' failures all blame it.
+        let dumps: Vec<_> = [0, 1, 3].map(|r| failed_dump(r, 4, 3, Blame::rank(Rank(2)))).into();
+        let d = diagnose(&dumps, Some(4));
+        assert_eq!(d.findings.len(), 1, "{d}");
+        assert_eq!(d.findings[0].culprits(), vec![Rank(2)], "{d}");
+        assert!(
+            d.to_string().contains("no dump from rank(s) [2]; the failures recorded by rank(s) [0, 1, 3] blame rank 2"),
+            "{d}"
+        );
+        // A cut between {0, 1} and {2, 3}: each side sees itself near; the cut is the finding.
+        let near = |r: u32| if r < 2 { [Rank(0), Rank(1)] } else { [Rank(2), Rank(3)] };
+        let far = |r: u32| if r < 2 { [Rank(2), Rank(3)] } else { [Rank(0), Rank(1)] };
+        let dumps: Vec<_> = (0..4).map(|r| failed_dump(r, 4, 2, Blame::cut(near(r), far(r)))).collect();
+        let d = diagnose(&dumps, Some(4));
+        let FindingKind::Blamed { blame, by, .. } = &d.findings[0].kind else { panic!("{d}") };
+        assert_eq!(blame, &Blame::cut([Rank(0), Rank(1)], [Rank(2), Rank(3)]));
+        assert_eq!(by.len(), 4);
+        // Rank 3 cut off from everyone: it blames a cut with itself alone on one side, the
+        // others blame it; all of them mean rank 3.
+        let mut dumps: Vec<_> = (0..3).map(|r| failed_dump(r, 4, 2, Blame::rank(Rank(3)))).collect();
+        dumps.push(failed_dump(3, 4, 2, Blame::cut([Rank(3)], [Rank(0), Rank(1), Rank(2)])));
+        let d = diagnose(&dumps, Some(4));
+        assert_eq!(d.findings[0].culprits(), vec![Rank(3)], "{d}");
+        // No majority (two say rank 1, two undecided): the dumps' own finding stands.
+        let dumps: Vec<_> =
+            (0..4).map(|r| failed_dump(r, 4, 2, if r < 2 { Blame::rank(Rank(1)) } else { Blame::nobody() })).collect();
+        let d = diagnose(&dumps, Some(4));
+        assert!(d.findings.iter().all(|f| !matches!(f.kind, FindingKind::Blamed { .. })), "{d}");
+    }
+
+    #[test]
+    fn any_source_receives_are_paired_with_the_sends_no_named_receive_took() {
+        // Rank 1 receives from any source twice; ranks 0 and 2 each send it one message, and
+        // rank 2's is the wrong size.
+        let r0 = dump(0, 3, &[("send 0->1", 8, DType::F32, true)]);
+        let r1 = dump(1, 3, &[("recv_any_source", 8, DType::F32, true), ("recv_any_source", 8, DType::F32, false)]);
+        let r2 = dump(2, 3, &[("send 2->1", 4, DType::F32, false)]);
+        let d = diagnose(&[r0, r1, r2], Some(3));
+        let [f] = &d.findings[..] else { panic!("one finding: {d}") };
+        let FindingKind::P2pMismatch { sender, receiver, blame, .. } = &f.kind else { panic!("{d}") };
+        assert_eq!((*sender, *receiver), (Rank(2), Rank(1)), "{d}");
+        assert_eq!(blame, &vec![Rank(2), Rank(1)]);
+        // Sizes that agree: nothing to report.
+        let r0 = dump(0, 2, &[("send 0->1", 8, DType::F32, false)]);
+        let r1 = dump(1, 2, &[("recv_any_source", 8, DType::F32, false)]);
+        let d = diagnose(&[r0, r1], Some(2));
+        assert!(d.findings.iter().all(|f| !matches!(f.kind, FindingKind::P2pMismatch { .. })), "{d}");
     }
 }

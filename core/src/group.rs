@@ -29,17 +29,30 @@ use std::time::{Duration, Instant};
 
 use serde::{Deserialize, Serialize};
 
+use crate::census::{Signature, Votes};
 use crate::recorder::{Dump, DumpMeta, FlightRecorder, NameId, ProfilingName, RecordId, RecordRequest, RecorderConfig};
 use crate::seqmap::SeqMap;
 use crate::tensor::{DType, numel_of};
 use crate::watchdog::{TimeoutContext, TimerKind, TimerTable, timeout_message};
-use crate::work::{GroupId, IllegalTransition, Lifecycle, OpType, Rank, SeqNo, WorkId, WorkResult, WorkState};
+use crate::work::{Blame, GroupId, IllegalTransition, Lifecycle, OpType, Rank, SeqNo, WorkId, WorkResult, WorkState};
 
 /// Gloo's default collective timeout (30 minutes).
 pub const DEFAULT_TIMEOUT: Duration = Duration::from_secs(30 * 60);
 
 /// Stuck notes kept per peer (one per collective it was stuck in); older ones are dropped.
 const STUCK_NOTES_PER_PEER: usize = 64;
+
+/// Collectives whose signatures a rank keeps, to answer a desync census about one it already
+/// finished (a broadcast root finishes before its peers notice anything).
+const SIGNATURES_KEPT: usize = 256;
+
+/// Desync censuses open at once; older ones are dropped.
+const CENSUSES_KEPT: usize = 8;
+
+/// How long a desync census waits for votes before deciding with those it has (every live
+/// peer answers at once, so this is a bound for dead or partitioned ones). Capped at a
+/// quarter of the work's timeout.
+const CENSUS_WINDOW: Duration = Duration::from_millis(500);
 
 /// What the group does after a work fails, mirroring `TORCH_NCCL_ASYNC_ERROR_HANDLING`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
@@ -124,6 +137,11 @@ pub struct GroupConfig {
     /// sent to it, only once [`GroupState::handle_peer_connected`] says it is connected. When
     /// false (the default) every peer is connected from the start.
     pub lazy_peers: bool,
+    /// Whether a collective that finds a mismatch or times out first asks every rank what it
+    /// runs there (the desync census, through [`ControlMsg::Census`]), to blame the deviants
+    /// rather than the rank that noticed. Needs control messages between peers; a driver
+    /// without them (NCCL's, which talks only through the store) turns it off. Default on.
+    pub desync_census: bool,
 }
 
 impl GroupConfig {
@@ -142,6 +160,7 @@ impl GroupConfig {
             backend: "cohort".into(),
             wall_epoch_ns: 0,
             lazy_peers: false,
+            desync_census: true,
         }
     }
 }
@@ -554,12 +573,19 @@ pub enum SubmitError {
 pub struct GroupFailure {
     /// The rank that detected or suffered the failure first (this rank, or a remote one).
     pub origin: Rank,
-    /// The rank held responsible (the lost, silent or missing rank), when known.
-    pub culprit: Option<Rank>,
+    /// Whom it blames (the lost, silent, missing or deviant rank; a cut; or undecided).
+    pub blame: Blame,
     /// The work on which it happened, when there was one.
     pub seq: Option<SeqNo>,
     /// What happened.
     pub message: String,
+}
+
+impl GroupFailure {
+    /// The one rank it blames, if exactly one (see [`Blame::culprit`]).
+    pub fn culprit(&self) -> Option<Rank> {
+        self.blame.culprit()
+    }
 }
 
 /// A work the data plane may start now.
@@ -581,12 +607,24 @@ pub struct Launch {
 pub enum ControlMsg {
     /// I am alive.
     Heartbeat,
-    /// My group failed; this is the cause.
+    /// A group failed; this is the cause. Relayed by every rank that hears it, so `origin`
+    /// is the rank that failed first, not necessarily the sender.
     Error {
-        /// Whom it blames, when known.
-        culprit: Option<Rank>,
+        /// The rank that failed first.
+        origin: Rank,
+        /// Whom it blames.
+        blame: Blame,
         /// The cause.
         message: String,
+    },
+    /// The desync census: at collective `seq` I run `sig` (`None`: I have not reached it).
+    /// A rank that hears one for a collective it has not voted on answers with its own, to
+    /// every peer.
+    Census {
+        /// The collective.
+        seq: SeqNo,
+        /// What this rank runs there.
+        sig: Option<Signature>,
     },
     /// I aborted the group.
     Abort {
@@ -616,11 +654,21 @@ pub struct Transmit {
 pub enum Completion {
     /// The data arrived and the result is in place.
     Success,
-    /// It failed; `rank` is the peer responsible when known.
+    /// It failed; `rank` is the peer responsible when known (undecided otherwise, with the
+    /// ranks the work waited for as suspects).
     Failed {
         /// The peer at fault.
         rank: Option<Rank>,
         /// What happened.
+        message: String,
+    },
+    /// Peer `rank`'s part does not fit this rank's collective (another op, dtype, root or
+    /// size). The core does not blame `rank` yet: it runs a desync census and blames the
+    /// ranks that disagree with the majority.
+    Mismatch {
+        /// The peer whose part did not fit.
+        rank: Rank,
+        /// What did not fit.
         message: String,
     },
 }
@@ -736,6 +784,29 @@ pub struct GroupState {
     /// The recorder's id of each collective's profiling name (`backend:op`), interned on first
     /// use: recording a collective neither formats nor hashes its name.
     collective_names: Vec<(OpType, NameId)>,
+    /// The signatures of the last [`SIGNATURES_KEPT`] collectives, for desync censuses.
+    signatures: VecDeque<(SeqNo, Signature)>,
+    /// Open desync censuses, by collective.
+    censuses: BTreeMap<SeqNo, Census>,
+}
+
+/// One desync census as this rank sees it.
+#[derive(Debug, Default)]
+struct Census {
+    votes: Votes,
+    /// Whether this rank has sent its own vote.
+    voted: bool,
+    /// The work this rank holds until the verdict, and why.
+    held: Option<(WorkId, Held)>,
+}
+
+/// Why a work waits for a census's verdict.
+#[derive(Debug, Clone)]
+enum Held {
+    /// Peer `from`'s part did not fit (`detail` says how).
+    Mismatch { from: Rank, detail: String },
+    /// It timed out; without a desync it ends with this message and blame.
+    Timeout { message: String, blame: Blame },
 }
 
 impl GroupState {
@@ -770,6 +841,8 @@ impl GroupState {
             name_buf: String::new(),
             collective_names: Vec::new(),
             heard: vec![Duration::ZERO; cfg.world_size as usize],
+            signatures: VecDeque::new(),
+            censuses: BTreeMap::new(),
             cfg,
         };
         if !g.cfg.lazy_peers {
@@ -835,6 +908,17 @@ impl GroupState {
         self.works.len()
     }
 
+    /// The oldest work not yet finished, as a report on a stuck rank names it: its sequence
+    /// number (the p2p counter's for a point-to-point op), its op, how long ago (before `now`)
+    /// it was submitted, and the ranks it was last reported waiting for
+    /// ([`GroupState::handle_waiting_on`]; `None` if the data plane never said). Works finish in
+    /// submission order, so every later work waits behind this one. Read-only.
+    pub fn oldest_unfinished(&self, now: Instant) -> Option<(SeqNo, OpType, Duration, Option<&[Rank]>)> {
+        let (_, w) = self.works.first()?;
+        let age = self.since_epoch(now).saturating_sub(w.lifecycle.enqueued_at());
+        Some((w.seq, w.collective.op, age, w.waiting_on.as_deref()))
+    }
+
     /// Peers declared lost, with the reason.
     pub fn lost_peers(&self) -> &BTreeMap<Rank, String> {
         &self.lost
@@ -846,7 +930,11 @@ impl GroupState {
         let now = self.since_epoch(now);
         match &self.health {
             Health::Healthy => {}
-            Health::Failed(cause) => return Err(SubmitError::GroupFailed { cause: cause.clone() }),
+            Health::Failed(cause) => {
+                let cause = cause.clone();
+                self.record_refused(now, &collective, &cause);
+                return Err(SubmitError::GroupFailed { cause });
+            }
             Health::Aborted(cause) => return Err(SubmitError::Aborted { cause: cause.clone() }),
         }
         collective.validate(self.rank, self.cfg.world_size)?;
@@ -865,6 +953,20 @@ impl GroupState {
         self.next_work += 1;
         let timeout = collective.timeout.unwrap_or(self.cfg.timeout);
         let record = self.record(now, &collective, seq, timeout);
+        if !is_p2p {
+            if self.signatures.len() == SIGNATURES_KEPT {
+                self.signatures.pop_front();
+            }
+            self.signatures.push_back((seq, Signature::of(&collective)));
+            // A census about this collective asked before this rank reached it got "not
+            // there yet": vote again, now that it is.
+            if let Some(c) = self.censuses.get_mut(&seq)
+                && c.voted
+            {
+                c.voted = false;
+                self.census_vote(seq);
+            }
+        }
         self.timers.set(TimerKind::WorkDeadline(id), now.saturating_add(timeout));
         if !is_p2p && self.cfg.world_size > 2 {
             // With two ranks the rank waited for is the only other one: no chain to follow.
@@ -929,23 +1031,152 @@ impl GroupState {
             tracing::debug!(%id, "ignoring a completion for a work that is not running");
             return;
         }
-        let (seq, op) = (w.seq, w.collective.op);
+        let (seq, op, is_p2p) = (w.seq, w.collective.op, w.is_p2p);
         match completion {
             Completion::Success => self.set_result(id, WorkResult::Success),
+            // A work held by a desync census fails by the census's verdict: whatever else
+            // ended it (the peer left, the link broke) came after the mismatch. The verdict
+            // comes when the votes are in, or at the census deadline.
+            Completion::Failed { .. }
+                if self.censuses.get(&seq).is_some_and(|c| c.held.as_ref().is_some_and(|(h, _)| *h == id)) =>
+            {
+                self.census_decide(now, seq, false);
+            }
             Completion::Failed { rank, message } => {
-                self.set_result(id, WorkResult::CommError { rank, message: message.clone() });
-                self.fail_group(
-                    now,
-                    GroupFailure {
-                        origin: self.rank,
-                        culprit: rank,
-                        seq: Some(seq),
-                        message: format!("rank {}: {op} (seq {seq}) failed: {message}", self.rank),
-                    },
-                    true,
-                );
+                let blame = match rank {
+                    Some(r) => Blame::rank(r),
+                    None => Blame::undecided(w.waiting_on.iter().flatten().copied()),
+                };
+                self.fail_work(now, id, seq, op, blame, &message);
+            }
+            Completion::Mismatch { rank, message }
+                if !is_p2p && self.cfg.desync_census && rank.0 < self.cfg.world_size =>
+            {
+                self.open_census(now, id, seq, Held::Mismatch { from: rank, detail: message });
+            }
+            Completion::Mismatch { rank, message } => self.fail_work(now, id, seq, op, Blame::rank(rank), &message),
+        }
+        self.release(now);
+    }
+
+    /// Work `id` failed here: it and the group fail with `blame`.
+    fn fail_work(&mut self, now: Duration, id: WorkId, seq: SeqNo, op: OpType, blame: Blame, message: &str) {
+        self.set_result(id, WorkResult::CommError { blame: blame.clone(), message: message.to_owned() });
+        let message = format!("rank {}: {op} (seq {seq}) failed: {message}", self.rank);
+        self.fail_group(now, GroupFailure { origin: self.rank, blame, seq: Some(seq), message }, true);
+    }
+
+    /// Collective `seq` (work `id`) got a part that does not fit, or timed out: hold the
+    /// work, vote, and ask every peer for its vote. The verdict comes when every rank has
+    /// voted, or at the census deadline.
+    fn open_census(&mut self, now: Duration, id: WorkId, seq: SeqNo, held: Held) {
+        let timeout = self.works.get(&id).map_or(self.cfg.timeout, |w| w.timeout);
+        self.census_entry(seq).held = Some((id, held));
+        self.census_vote(seq);
+        self.timers.set(TimerKind::Census(seq), now.saturating_add(CENSUS_WINDOW.min(timeout / 4)));
+        self.census_decide(now, seq, false);
+    }
+
+    fn census_entry(&mut self, seq: SeqNo) -> &mut Census {
+        if !self.censuses.contains_key(&seq) && self.censuses.len() >= CENSUSES_KEPT {
+            // Drop the oldest census that holds no work (a held one always ends in a verdict).
+            if let Some(old) = self.censuses.iter().find(|(_, c)| c.held.is_none()).map(|(s, _)| *s) {
+                self.censuses.remove(&old);
             }
         }
+        self.censuses.entry(seq).or_default()
+    }
+
+    /// This rank's signature at collective `seq`: `None` if it has not reached it (or it is
+    /// too old to remember, which reads the same: no vote on what it ran).
+    fn signature_at(&self, seq: SeqNo) -> Option<Signature> {
+        let i = self.signatures.binary_search_by(|(s, _)| s.cmp(&seq)).ok()?;
+        Some(self.signatures[i].1)
+    }
+
+    /// Vote in census `seq` (once): record this rank's signature and send it to every peer.
+    fn census_vote(&mut self, seq: SeqNo) {
+        let sig = self.signature_at(seq);
+        let me = self.rank;
+        let census = self.census_entry(seq);
+        if census.voted {
+            return;
+        }
+        census.voted = true;
+        census.votes.insert(me, sig);
+        for to in self.peers() {
+            if self.connected.contains(&to) && !self.lost.contains_key(&to) {
+                self.transmits.push_back(Transmit { to, msg: ControlMsg::Census { seq, sig } });
+            }
+        }
+    }
+
+    /// Decide census `seq` if this rank holds a work on it and every rank it can still hear
+    /// has voted (or `force`, at the deadline): the held work and the group fail blaming the
+    /// deviants. If the votes agree after all, the rank whose part did not fit is blamed.
+    fn census_decide(&mut self, now: Duration, seq: SeqNo, force: bool) {
+        let world = self.cfg.world_size;
+        let Some(census) = self.censuses.get(&seq) else { return };
+        let Some((id, held)) = census.held.clone() else { return };
+        let gone = |r: &Rank| self.lost.contains_key(r) || self.departed.contains(r);
+        // After a mismatch, a rank that has not reached the collective yet may reach it soon
+        // (it answers then): wait for it too, until the deadline. After a timeout, a rank
+        // still not there is what the timeout is about: its "not there" is its answer.
+        let waiting = match held {
+            Held::Mismatch { .. } => (0..world).map(Rank).any(|r| !census.votes.has_signature(r) && !gone(&r)),
+            Held::Timeout { .. } => (0..world).map(Rank).any(|r| !census.votes.has(r) && !gone(&r)),
+        };
+        if waiting && !force {
+            return;
+        }
+        let verdict = census.votes.verdict(world);
+        let (from, detail) = match held {
+            Held::Mismatch { from, detail } => (from, detail),
+            Held::Timeout { message, blame } => {
+                self.timers.cancel(TimerKind::Census(seq));
+                if let Some(c) = self.censuses.get_mut(&seq) {
+                    c.held = None;
+                }
+                let (message, blame) = match verdict {
+                    Some(v) => (format!("{message}; {}", v.message), v.blame),
+                    None => (message, blame),
+                };
+                self.time_out(now, id, seq, message, blame);
+                return;
+            }
+        };
+        let from_voted = census.votes.has_signature(from);
+        let agree_with_me = (0..world)
+            .map(Rank)
+            .filter(|&r| {
+                r != from && census.votes.has_signature(r) && census.votes.get(r) == census.votes.get(self.rank)
+            })
+            .count();
+        self.timers.cancel(TimerKind::Census(seq));
+        if let Some(c) = self.censuses.get_mut(&seq) {
+            c.held = None;
+        }
+        let Some(w) = self.works.get(&id) else { return };
+        if w.result.is_some() {
+            return;
+        }
+        let op = w.collective.op;
+        let me = self.rank;
+        let (blame, message) = match verdict {
+            Some(v) => (v.blame, format!("{detail}; {}", v.message)),
+            // Everyone agrees on what they run, the peer included: the part itself was bad,
+            // and the peer that sent it is to blame.
+            None if from_voted => (Blame::rank(from), detail),
+            // The peer never voted (it left, or is silent), but its part showed it runs
+            // something else. Two ranks: no majority can say which one deviated. More, and
+            // another rank runs what this one does: the peer is the odd one out.
+            None if world == 2 => {
+                (Blame::ranks([me, from]), format!("{detail}; with two ranks no majority says which deviated"))
+            }
+            None if agree_with_me >= 2 => (Blame::rank(from), detail),
+            None => (Blame::undecided([me, from]), format!("{detail}; too few ranks answered the desync census")),
+        };
+        self.fail_work(now, id, seq, op, blame, &message);
         self.release(now);
     }
 
@@ -961,9 +1192,9 @@ impl GroupState {
     /// The communicator itself broke (NCCL's asynchronous error, `ncclCommGetAsyncError`): no
     /// work on it can finish, so every unfinished work fails with `message`, and the group
     /// fails whatever the [`ErrorHandling`] mode (a broken communicator runs nothing more).
-    /// `culprit` is the rank held responsible, when the driver knows one. May queue events and
-    /// transmits. Ignored once the group has failed or was aborted.
-    pub fn handle_comm_error(&mut self, now: Instant, culprit: Option<Rank>, message: String) {
+    /// `blame` is whom the driver holds responsible. May queue events and transmits. Ignored
+    /// once the group has failed or was aborted.
+    pub fn handle_comm_error(&mut self, now: Instant, blame: Blame, message: String) {
         let now = self.since_epoch(now);
         if self.health != Health::Healthy {
             return;
@@ -976,7 +1207,7 @@ impl GroupState {
             self.set_result(
                 id,
                 WorkResult::CommError {
-                    rank: culprit,
+                    blame: blame.clone(),
                     message: format!("rank {me}: {op} (seq {seq}) failed: {message}"),
                 },
             );
@@ -985,7 +1216,7 @@ impl GroupState {
             Some((seq, op)) => format!("rank {me}: {op} (seq {seq}) failed: {message}"),
             None => format!("rank {me}: {message}"),
         };
-        let failure = GroupFailure { origin: me, culprit, seq: first.map(|(s, _)| s), message };
+        let failure = GroupFailure { origin: me, blame, seq: first.map(|(s, _)| s), message };
         if self.cfg.error_handling.fails_group() {
             self.fail_group(now, failure, true);
         } else {
@@ -1006,9 +1237,20 @@ impl GroupState {
         let t = self.since_epoch(now);
         match msg {
             ControlMsg::Heartbeat => {}
-            ControlMsg::Error { culprit, message } => {
-                let failure = GroupFailure { origin: from, culprit: culprit.or(Some(from)), seq: None, message };
-                self.fail_remote(t, failure);
+            ControlMsg::Error { origin, blame, message } => {
+                // A relayed error names the rank that failed first; one naming a rank outside
+                // the group is read as the sender's own.
+                let origin = if origin.0 < self.cfg.world_size { origin } else { from };
+                self.fail_remote(t, GroupFailure { origin, blame, seq: None, message });
+            }
+            ControlMsg::Census { seq, sig } => {
+                if from != self.rank && from.0 < self.cfg.world_size && seq.0 > 0 {
+                    self.census_entry(seq).votes.insert(from, sig);
+                    if self.health == Health::Healthy {
+                        self.census_vote(seq);
+                    }
+                    self.census_decide(t, seq, false);
+                }
             }
             ControlMsg::Abort { reason } => {
                 // Relayed to the others, like an error: a peer that hears of it only through
@@ -1032,9 +1274,9 @@ impl GroupState {
 
     /// A remote rank's failure learned some other way (e.g. through the store). Same effect as
     /// an [`ControlMsg::Error`] from `origin`.
-    pub fn handle_remote_error(&mut self, now: Instant, origin: Rank, culprit: Option<Rank>, message: String) {
+    pub fn handle_remote_error(&mut self, now: Instant, origin: Rank, blame: Blame, message: String) {
         let t = self.since_epoch(now);
-        self.fail_remote(t, GroupFailure { origin, culprit: culprit.or(Some(origin)), seq: None, message });
+        self.fail_remote(t, GroupFailure { origin, blame, seq: None, message });
     }
 
     /// Any bytes from `from` prove it alive. Queues nothing.
@@ -1081,7 +1323,7 @@ impl GroupState {
     /// that needs it fails naming it; may fail the group. May queue events and transmits.
     pub fn handle_peer_lost(&mut self, now: Instant, rank: Rank, reason: String) {
         let now = self.since_epoch(now);
-        self.peer_lost(now, rank, reason);
+        self.peer_lost(now, rank, reason, Blame::rank(rank));
     }
 
     /// `rank` left cleanly (it said goodbye: its program finished or shut the group down).
@@ -1133,16 +1375,10 @@ impl GroupState {
                         self.timers.set(TimerKind::Heartbeat, now.saturating_add(hb.interval));
                     }
                 }
-                TimerKind::PeerSilence(rank) => {
-                    let dead_after = self.cfg.heartbeat.map(|h| h.dead_after).unwrap_or_default();
-                    self.peer_lost(
-                        now,
-                        rank,
-                        format!("no heartbeat or data from rank {rank} for {} ms", dead_after.as_millis()),
-                    );
-                }
+                TimerKind::PeerSilence(rank) => self.peer_silent(now, rank),
                 TimerKind::WorkDeadline(id) => self.work_timed_out(now, id),
                 TimerKind::WorkStuck(id) => self.work_stuck(id),
+                TimerKind::Census(seq) => self.census_decide(now, seq, true),
             }
         }
         self.release(now);
@@ -1239,6 +1475,32 @@ impl GroupState {
         );
         self.name_buf = profiling_name;
         record
+    }
+
+    /// A collective submitted after the group failed is refused, but recorded (failed at
+    /// once, with the cause), so that dumps show what each rank tried to run next. It takes
+    /// the sequence number it would have had.
+    fn record_refused(&mut self, now: Duration, c: &Collective, cause: &GroupFailure) {
+        if !self.recorder.is_enabled() || c.validate(self.rank, self.cfg.world_size).is_err() {
+            return;
+        }
+        let seq = if c.op.is_p2p() {
+            self.p2p_seq.0 += 1;
+            self.p2p_seq
+        } else {
+            self.seq.0 += 1;
+            self.seq
+        };
+        self.next_work += 1;
+        let timeout = c.timeout.unwrap_or(self.cfg.timeout);
+        if let Some(rid) = self.record(now, c, seq, timeout) {
+            let result = WorkResult::RemoteError {
+                rank: cause.origin,
+                blame: cause.blame.clone(),
+                message: format!("refused: the group had failed: {}", cause.message),
+            };
+            self.recorder.handle_finished(rid, now, &result);
+        }
     }
 
     fn launch_ready(&mut self) {
@@ -1351,16 +1613,65 @@ impl GroupState {
             waiting_on: w.waiting_on.clone(),
             chain,
         };
-        let culprit = match cx.waiting_on.as_deref() {
-            Some([one]) => Some(cx.chain.last().copied().unwrap_or(*one)),
-            _ => None,
+        let blame = match cx.waiting_on.as_deref() {
+            Some([one]) => Blame::rank(cx.chain.last().copied().unwrap_or(*one)),
+            Some(many) => Blame::undecided(many.iter().copied()),
+            None => Blame::nobody(),
         };
         let message = timeout_message(self.rank, &cx);
-        self.set_result(id, WorkResult::Timeout { message: message.clone(), culprit });
-        self.fail_group(now, GroupFailure { origin: self.rank, culprit, seq: Some(cx.seq), message }, true);
+        if self.cfg.desync_census && !w.is_p2p && self.cfg.world_size > 2 {
+            // Ranks that wait for each other in a chain may be in different collectives: ask
+            // what everyone runs here before blaming the end of the chain.
+            self.open_census(now, id, cx.seq, Held::Timeout { message, blame });
+            return;
+        }
+        self.time_out(now, id, cx.seq, message, blame);
     }
 
-    fn peer_lost(&mut self, now: Duration, rank: Rank, reason: String) {
+    fn time_out(&mut self, now: Duration, id: WorkId, seq: SeqNo, message: String, blame: Blame) {
+        if self.works.get(&id).is_none_or(|w| w.result.is_some()) {
+            return;
+        }
+        self.set_result(id, WorkResult::Timeout { message: message.clone(), blame: blame.clone() });
+        self.fail_group(now, GroupFailure { origin: self.rank, blame, seq: Some(seq), message }, true);
+        self.release(now);
+    }
+
+    /// Peer `rank`'s silence timer fired. If other peers have gone quiet with it (unheard for
+    /// more than half the silence limit), the network is cut between the ranks this rank
+    /// still hears and those it does not: they are lost together and the cut is blamed. A
+    /// rank that hears nobody is cut off from every peer. One silent rank is blamed alone.
+    fn peer_silent(&mut self, now: Duration, rank: Rank) {
+        let dead_after = self.cfg.heartbeat.map(|h| h.dead_after).unwrap_or_default();
+        let watched: Vec<Rank> = self
+            .peers()
+            .into_iter()
+            .filter(|r| self.connected.contains(r) && !self.lost.contains_key(r) && !self.departed.contains(r))
+            .collect();
+        let quiet = |r: &Rank| *r == rank || now.saturating_sub(self.heard[r.index()]) > dead_after / 2;
+        let (silent, heard): (Vec<Rank>, Vec<Rank>) = watched.iter().copied().partition(quiet);
+        let reason = format!("no heartbeat or data from rank {rank} for {} ms", dead_after.as_millis());
+        if silent.len() < 2 {
+            self.peer_lost(now, rank, reason, Blame::rank(rank));
+            return;
+        }
+        let near: Vec<Rank> = heard.iter().copied().chain([self.rank]).collect();
+        let blame = Blame::cut(near, silent.iter().copied());
+        let reason = if heard.is_empty() {
+            format!(
+                "this rank is cut off from every peer: no heartbeat or data from ranks {} for over {} ms",
+                crate::work::rank_ranges(&silent),
+                dead_after.as_millis() / 2
+            )
+        } else {
+            format!("no heartbeat or data for over {} ms across {blame}", dead_after.as_millis() / 2)
+        };
+        for r in silent {
+            self.peer_lost(now, r, reason.clone(), blame.clone());
+        }
+    }
+
+    fn peer_lost(&mut self, now: Duration, rank: Rank, reason: String, blame: Blame) {
         if rank == self.rank || rank.0 >= self.cfg.world_size || self.lost.contains_key(&rank) {
             return;
         }
@@ -1379,7 +1690,7 @@ impl GroupState {
             self.set_result(
                 id,
                 WorkResult::CommError {
-                    rank: Some(rank),
+                    blame: blame.clone(),
                     message: format!("rank {me}: {op} (seq {seq}) failed: connection to rank {rank} lost: {reason}"),
                 },
             );
@@ -1388,11 +1699,12 @@ impl GroupState {
             Some((seq, op)) => format!("rank {me}: {op} (seq {seq}) failed: connection to rank {rank} lost: {reason}"),
             None => format!("rank {me}: connection to rank {rank} lost: {reason}"),
         };
-        self.fail_group(
-            now,
-            GroupFailure { origin: me, culprit: Some(rank), seq: first.map(|(s, _)| s), message },
-            true,
-        );
+        self.fail_group(now, GroupFailure { origin: me, blame, seq: first.map(|(s, _)| s), message }, true);
+        // Censuses still waiting for this rank's vote decide without it.
+        let waiting: Vec<SeqNo> = self.censuses.iter().filter(|(_, c)| c.held.is_some()).map(|(s, _)| *s).collect();
+        for seq in waiting {
+            self.census_decide(now, seq, false);
+        }
         self.release(now);
     }
 
@@ -1413,7 +1725,11 @@ impl GroupState {
         for id in dependent {
             self.set_result(
                 id,
-                WorkResult::RemoteError { rank: origin, culprit: failure.culprit, message: failure.message.clone() },
+                WorkResult::RemoteError {
+                    rank: origin,
+                    blame: failure.blame.clone(),
+                    message: failure.message.clone(),
+                },
             );
         }
         self.fail_group(now, failure, false);
@@ -1431,23 +1747,26 @@ impl GroupState {
         for (id, seq, op) in remaining {
             let message = format!("{op} (seq {seq}) cannot complete: {}", failure.message);
             let result = if local {
-                WorkResult::CommError { rank: failure.culprit, message }
+                WorkResult::CommError { blame: failure.blame.clone(), message }
             } else {
-                WorkResult::RemoteError { rank: failure.origin, culprit: failure.culprit, message }
+                WorkResult::RemoteError { rank: failure.origin, blame: failure.blame.clone(), message }
             };
             self.set_result(id, result);
         }
         // Tell every peer still reachable, also when this rank only learned of the failure:
         // a rank that closes its links after a remote failure would otherwise look, to a peer
-        // that has not heard yet, like the rank that failed. The culprit travels along.
-        {
-            for to in self.peers() {
-                if !self.lost.contains_key(&to) && (local || to != failure.origin) {
-                    self.transmits.push_back(Transmit {
-                        to,
-                        msg: ControlMsg::Error { culprit: failure.culprit, message: failure.message.clone() },
-                    });
-                }
+        // that has not heard yet, like the rank that failed. The origin and the blame travel
+        // along.
+        for to in self.peers() {
+            if !self.lost.contains_key(&to) && (local || to != failure.origin) {
+                self.transmits.push_back(Transmit {
+                    to,
+                    msg: ControlMsg::Error {
+                        origin: failure.origin,
+                        blame: failure.blame.clone(),
+                        message: failure.message.clone(),
+                    },
+                });
             }
         }
         self.stop_timers();
@@ -1546,6 +1865,8 @@ mod tests {
         g.handle_message(s(5_002), Rank(2), ControlMsg::Stuck { seq: SeqNo(0), waiting_on: vec![Rank(3)] });
         g.handle_message(s(5_003), Rank(3), ControlMsg::Stuck { seq: SeqNo(9), waiting_on: vec![Rank(0)] });
         g.handle_timeout(s(10_000));
+        // Nobody answers the census (these ranks are simulated by hand): its deadline decides.
+        g.handle_timeout(s(10_000) + CENSUS_WINDOW);
         let events = drain_events(&mut g);
         let failure = events
             .iter()
@@ -1554,15 +1875,16 @@ mod tests {
                 _ => None,
             })
             .expect("the group fails");
-        assert_eq!(failure.culprit, Some(Rank(3)));
+        assert_eq!(failure.culprit(), Some(Rank(3)));
         assert!(failure.message.contains("rank 1 → rank 2 → rank 3: each said"), "{}", failure.message);
 
         // Without notes, the rank waited for is blamed, as before.
         let (mut g, t0) = waiting_on_rank_1();
         g.handle_message(t0, Rank(1), ControlMsg::Stuck { seq: SeqNo(1), waiting_on: vec![Rank(0)] });
         g.handle_timeout(t0 + Duration::from_secs(10));
+        g.handle_timeout(t0 + Duration::from_secs(10) + CENSUS_WINDOW);
         let culprit = drain_events(&mut g).iter().find_map(|e| match e {
-            Event::GroupFailed(f) => Some(f.culprit),
+            Event::GroupFailed(f) => Some(f.culprit()),
             _ => None,
         });
         assert_eq!(culprit, Some(Some(Rank(1))), "a note pointing back at this rank ends the chain");
@@ -1607,8 +1929,9 @@ mod tests {
             let (mut groups, t0) = buckets_in_flight_with_rank_2_hung();
             let s = |ms| t0 + Duration::from_millis(ms);
             groups[first].handle_timeout(s(10_000));
+            groups[first].handle_timeout(s(10_000) + CENSUS_WINDOW);
             let failure = groups[first].failure().expect("the first rank timed out").clone();
-            assert_eq!(failure.culprit, Some(Rank(2)), "rank {first}: {}", failure.message);
+            assert_eq!(failure.culprit(), Some(Rank(2)), "rank {first}: {}", failure.message);
             if first != 3 {
                 // Rank 3 waits for rank 2 itself; the others followed the chain to it.
                 assert!(failure.message.contains("rank 2 is the likely culprit"), "{}", failure.message);
@@ -1625,7 +1948,7 @@ mod tests {
             deliver(&mut groups, 2, s(10_002));
             for (r, g) in groups.iter_mut().enumerate() {
                 let failure = g.failure().unwrap_or_else(|| panic!("rank {r} did not fail"));
-                assert_eq!(failure.culprit, Some(Rank(2)), "rank {r}: {}", failure.message);
+                assert_eq!(failure.culprit(), Some(Rank(2)), "rank {r}: {}", failure.message);
                 for e in drain_events(g) {
                     if let Event::WorkFinished(w) = e {
                         assert_eq!(w.result.culprit(), Some(Rank(2)), "rank {r}: {}", w.result);
@@ -1642,14 +1965,14 @@ mod tests {
             let a = g.submit(t0, allreduce(4)).unwrap();
             let b = g.submit(t0, allreduce(4)).unwrap();
             while g.poll_launch().is_some() {}
-            g.handle_comm_error(t0, None, "ncclCommGetAsyncError: remote process exited".into());
+            g.handle_comm_error(t0, Blame::nobody(), "ncclCommGetAsyncError: remote process exited".into());
             let events = drain_events(&mut g);
             assert_eq!(finished(&events), vec![(a, WorkState::Failed), (b, WorkState::Failed)], "{mode:?}");
             let Event::WorkFinished(s) = &events[1] else { panic!("{events:?}") };
             assert_eq!(
                 s.result,
                 WorkResult::CommError {
-                    rank: None,
+                    blame: Blame::nobody(),
                     message: "rank 2: all_reduce (seq 2) failed: ncclCommGetAsyncError: remote process exited".into()
                 }
             );
@@ -1659,7 +1982,7 @@ mod tests {
             assert_eq!(events.iter().any(|e| matches!(e, Event::TearDown { .. })), mode == ErrorHandling::TearDown);
             assert!(matches!(g.submit(t0, allreduce(1)), Err(SubmitError::GroupFailed { .. })));
             // A second error changes nothing.
-            g.handle_comm_error(t0, Some(Rank(1)), "again".into());
+            g.handle_comm_error(t0, Blame::rank(Rank(1)), "again".into());
             assert!(drain_events(&mut g).is_empty());
         }
     }
@@ -1725,15 +2048,19 @@ mod tests {
         assert_eq!(stuck, vec![Rank(1), Rank(2), Rank(3)]);
         assert!(drain_events(&mut g).is_empty());
         g.handle_timeout(t0 + Duration::from_secs(10));
+        g.handle_timeout(t0 + Duration::from_secs(10) + CENSUS_WINDOW);
         let events = drain_events(&mut g);
         let Event::WorkFinished(s) = &events[0] else { panic!("{events:?}") };
         assert_eq!(s.lifecycle.state(), WorkState::TimedOut);
         let text = s.result.to_string();
         assert!(text.contains("all_reduce (seq 1, numel in 1024"), "{text}");
         assert!(text.contains("still waiting for rank(s) [2]"), "{text}");
-        assert!(matches!(&events[1], Event::GroupFailed(f) if f.culprit == Some(Rank(2))));
+        assert!(matches!(&events[1], Event::GroupFailed(f) if f.culprit() == Some(Rank(2))));
         // Peers are told, and the next submit is refused with the original cause.
-        let told: Vec<_> = std::iter::from_fn(|| g.poll_transmit()).map(|t| t.to).collect();
+        let told: Vec<_> = std::iter::from_fn(|| g.poll_transmit())
+            .filter(|t| matches!(t.msg, ControlMsg::Error { .. }))
+            .map(|t| t.to)
+            .collect();
         assert_eq!(told, vec![Rank(1), Rank(2), Rank(3)]);
         let err = g.submit(t0 + Duration::from_secs(11), allreduce(1)).unwrap_err();
         assert!(err.to_string().contains("still waiting for rank(s) [2]"), "{err}");
@@ -1824,20 +2151,24 @@ mod tests {
         g.handle_message(
             t0,
             Rank(3),
-            ControlMsg::Error { culprit: Some(Rank(2)), message: "rank 3: connection to rank 2 lost: EOF".into() },
+            ControlMsg::Error {
+                origin: Rank(3),
+                blame: Blame::rank(Rank(2)),
+                message: "rank 3: connection to rank 2 lost: EOF".into(),
+            },
         );
         let events = drain_events(&mut g);
         let Event::WorkFinished(s) = &events[0] else { panic!() };
         assert_eq!(s.id, a);
         // The origin is rank 3; the rank it blamed is the culprit.
-        assert!(matches!(s.result, WorkResult::RemoteError { rank: Rank(3), culprit: Some(Rank(2)), .. }));
+        assert!(matches!(s.result, WorkResult::RemoteError { rank: Rank(3), blame: Blame::Ranks { .. }, .. }));
         assert_eq!(s.result.culprit(), Some(Rank(2)));
-        assert!(matches!(&events[1], Event::GroupFailed(f) if f.origin == Rank(3) && f.culprit == Some(Rank(2))));
+        assert!(matches!(&events[1], Event::GroupFailed(f) if f.origin == Rank(3) && f.culprit() == Some(Rank(2))));
         assert!(matches!(&events[2], Event::TearDown { .. }));
         // Relayed with its culprit to every peer but the origin.
         let mut relayed = Vec::new();
         while let Some(t) = g.poll_transmit() {
-            assert!(matches!(&t.msg, ControlMsg::Error { culprit: Some(Rank(2)), .. }), "{t:?}");
+            assert!(matches!(&t.msg, ControlMsg::Error { origin: Rank(3), blame: Blame::Ranks { .. }, .. }), "{t:?}");
             relayed.push(t.to);
         }
         assert_eq!(relayed, vec![Rank(0), Rank(2)]);
@@ -1871,7 +2202,7 @@ mod tests {
             matches!(&events[0], Event::PeerLost { rank: Rank(2), reason } if reason.contains("350 ms")),
             "{events:?}"
         );
-        assert!(matches!(&events[1], Event::GroupFailed(f) if f.culprit == Some(Rank(2))));
+        assert!(matches!(&events[1], Event::GroupFailed(f) if f.culprit() == Some(Rank(2))));
         assert_eq!(g.last_timeout_reason(), Some(TimerKind::PeerSilence(Rank(2))));
     }
 
@@ -1933,5 +2264,60 @@ mod tests {
             "all_to_all_single: invalid argument output_split_sizes: expected 4 split sizes (one per rank), got 3"
         );
         assert_eq!(g.seq(), SeqNo(0), "refused submits take no sequence number");
+    }
+
+    #[test]
+    fn a_timeout_asks_every_rank_what_it_runs_and_blames_the_deviant_not_the_chain() {
+        // Rank 0 waits for rank 1 in all_reduce (seq 1). Rank 2 runs a broadcast there; rank 3
+        // has not reached seq 1 (it answers "not there").
+        let (mut g, t0) = waiting_on_rank_1();
+        let deadline = t0 + Duration::from_secs(10);
+        g.handle_timeout(deadline);
+        assert!(g.failure().is_none(), "the work waits for the census");
+        let votes: Vec<Transmit> = std::iter::from_fn(|| g.poll_transmit())
+            .filter(|t| matches!(t.msg, ControlMsg::Census { seq: SeqNo(1), sig: Some(_) }))
+            .collect();
+        assert_eq!(votes.len(), 3, "its vote goes to every peer");
+        let mine = Signature::of(&allreduce(4));
+        let bcast = Signature { op: OpType::Broadcast, root: Some(Rank(0)), ..mine };
+        g.handle_message(deadline, Rank(1), ControlMsg::Census { seq: SeqNo(1), sig: Some(mine) });
+        g.handle_message(deadline, Rank(3), ControlMsg::Census { seq: SeqNo(1), sig: None });
+        assert!(g.failure().is_none(), "rank 2 has not answered");
+        g.handle_message(deadline, Rank(2), ControlMsg::Census { seq: SeqNo(1), sig: Some(bcast) });
+        let failure = g.failure().expect("every rank answered: the verdict is in").clone();
+        assert_eq!(failure.blame, Blame::rank(Rank(2)), "{}", failure.message);
+        assert!(failure.message.contains("so rank 2 deviated"), "{}", failure.message);
+        let finished = drain_events(&mut g);
+        assert!(
+            finished.iter().any(|e| matches!(e, Event::WorkFinished(s) if s.lifecycle.state() == WorkState::TimedOut))
+        );
+    }
+
+    #[test]
+    fn a_mismatch_is_held_for_the_census_and_a_rank_behind_is_waited_for_until_the_deadline() {
+        let (mut g, t0) = group(3, 0, ErrorHandling::CleanUpOnly);
+        let a = g.submit(t0, allreduce(8)).unwrap();
+        g.poll_launch();
+        g.handle_started(t0, a);
+        g.handle_completion(t0, a, Completion::Mismatch { rank: Rank(1), message: "rank 1 sent 3 bytes".into() });
+        assert!(g.failure().is_none());
+        // Rank 2 has not reached the collective: waited for, until the census deadline.
+        g.handle_message(t0, Rank(2), ControlMsg::Census { seq: SeqNo(1), sig: None });
+        let odd = Signature { numel: 3, ..Signature::of(&allreduce(8)) };
+        g.handle_message(t0, Rank(1), ControlMsg::Census { seq: SeqNo(1), sig: Some(odd) });
+        assert!(g.failure().is_none(), "rank 2 may still come");
+        g.handle_timeout(t0 + CENSUS_WINDOW);
+        let failure = g.failure().expect("decided at the deadline").clone();
+        // Rank 0 against rank 1, one each: no majority in a group of three.
+        assert_eq!(failure.blame, Blame::undecided([Rank(0), Rank(1)]), "{}", failure.message);
+        // The same with rank 2 answering, agreeing with rank 0: rank 1 is the deviant.
+        let (mut g, t0) = group(3, 0, ErrorHandling::CleanUpOnly);
+        let a = g.submit(t0, allreduce(8)).unwrap();
+        g.poll_launch();
+        g.handle_started(t0, a);
+        g.handle_completion(t0, a, Completion::Mismatch { rank: Rank(1), message: "rank 1 sent 3 bytes".into() });
+        g.handle_message(t0, Rank(1), ControlMsg::Census { seq: SeqNo(1), sig: Some(odd) });
+        g.handle_message(t0, Rank(2), ControlMsg::Census { seq: SeqNo(1), sig: Some(Signature::of(&allreduce(8))) });
+        assert_eq!(g.failure().expect("all voted").blame, Blame::rank(Rank(1)));
     }
 }

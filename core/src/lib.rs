@@ -71,6 +71,7 @@
 #![cfg_attr(docsrs, feature(doc_cfg))]
 
 pub mod analyze;
+pub mod census;
 pub mod group;
 pub mod protocol;
 pub mod recorder;
@@ -94,4 +95,4 @@ pub use recorder::{
 pub use reduce::{ReduceError, ReduceOp, Reduction};
 pub use schedule::{Executor, Plan, ScheduleError};
 pub use tensor::{DType, Device, Element, FlatSlot, Tensor, TensorError};
-pub use work::{GroupId, IllegalTransition, Lifecycle, OpType, Rank, SeqNo, WorkId, WorkResult, WorkState};
+pub use work::{Blame, GroupId, IllegalTransition, Lifecycle, OpType, Rank, SeqNo, WorkId, WorkResult, WorkState};

@@ -28,6 +28,9 @@ pub enum TimerKind {
     /// waits for, so that a later timeout anywhere can follow the chain to the rank that is
     /// not in the collective at all.
     WorkStuck(WorkId),
+    /// The desync census of a collective (by sequence number) has waited long enough for
+    /// votes: decide with those it has.
+    Census(SeqNo),
 }
 
 /// Deadlines keyed by kind; at most one deadline per kind.

@@ -212,6 +212,183 @@ impl WorkState {
     }
 }
 
+/// Whom a failure blames. Every failed work carries one, and its message says the same
+/// (see [`WorkResult`]'s `Display`, which ends with it).
+#[derive(Debug, Clone, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(tag = "kind", rename_all = "snake_case")]
+pub enum Blame {
+    /// Decided: these ranks (one; or both ranks of a two-rank group that disagree, where no
+    /// majority can say which deviated).
+    Ranks {
+        /// The ranks, sorted.
+        ranks: Vec<Rank>,
+    },
+    /// The network is cut between two sets of ranks: every link between them is silent.
+    /// `near` is the side of the rank that reports it.
+    Cut {
+        /// The reporting rank's side, sorted.
+        near: Vec<Rank>,
+        /// The other side, sorted.
+        far: Vec<Rank>,
+    },
+    /// Not decided; these ranks are suspected (maybe none).
+    Undecided {
+        /// The suspects, sorted.
+        suspects: Vec<Rank>,
+    },
+}
+
+impl Blame {
+    /// One rank, decided.
+    pub fn rank(rank: Rank) -> Blame {
+        Blame::Ranks { ranks: vec![rank] }
+    }
+
+    /// These ranks, decided (sorted and deduplicated here).
+    pub fn ranks(ranks: impl IntoIterator<Item = Rank>) -> Blame {
+        Blame::Ranks { ranks: sorted(ranks) }
+    }
+
+    /// A cut between `near` (the reporter's side) and `far`.
+    pub fn cut(near: impl IntoIterator<Item = Rank>, far: impl IntoIterator<Item = Rank>) -> Blame {
+        Blame::Cut { near: sorted(near), far: sorted(far) }
+    }
+
+    /// Undecided, with these suspects.
+    pub fn undecided(suspects: impl IntoIterator<Item = Rank>) -> Blame {
+        Blame::Undecided { suspects: sorted(suspects) }
+    }
+
+    /// Undecided, nobody suspected.
+    pub fn nobody() -> Blame {
+        Blame::Undecided { suspects: Vec::new() }
+    }
+
+    /// `Some(rank)` decided, `None` undecided.
+    pub fn from_option(rank: Option<Rank>) -> Blame {
+        rank.map_or_else(Blame::nobody, Blame::rank)
+    }
+
+    /// The one rank held responsible, when there is exactly one: a single decided rank, or
+    /// the far side of a cut that is a single rank (cut off from this side).
+    pub fn culprit(&self) -> Option<Rank> {
+        match self {
+            Blame::Ranks { ranks } | Blame::Cut { far: ranks, .. } if ranks.len() == 1 => Some(ranks[0]),
+            _ => None,
+        }
+    }
+
+    /// Whether it is decided (ranks or a cut).
+    pub fn is_decided(&self) -> bool {
+        !matches!(self, Blame::Undecided { .. })
+    }
+
+    /// Every rank it names: the decided ranks, the far side of a cut, or the suspects.
+    pub fn named(&self) -> &[Rank] {
+        match self {
+            Blame::Ranks { ranks } => ranks,
+            Blame::Cut { far, .. } => far,
+            Blame::Undecided { suspects } => suspects,
+        }
+    }
+
+    /// Compact text, for the store and the wire: `3`, `0,1` (ranks), `0,1|2,3` (a cut,
+    /// near side first), `?1,3` (undecided with suspects) or `?` (nobody).
+    pub fn encode(&self) -> String {
+        let list = |r: &[Rank]| r.iter().map(|r| r.0.to_string()).collect::<Vec<_>>().join(",");
+        match self {
+            Blame::Ranks { ranks } => list(ranks),
+            Blame::Cut { near, far } => format!("{}|{}", list(near), list(far)),
+            Blame::Undecided { suspects } => format!("?{}", list(suspects)),
+        }
+    }
+
+    /// The blame in [`Blame::encode`]'s text (`-` also reads as nobody). At most `max_ranks`
+    /// ranks in all, each below `world_size`: a peer's bytes can name no more.
+    pub fn parse(text: &str, world_size: u32) -> Result<Blame, String> {
+        let list = |t: &str| -> Result<Vec<Rank>, String> {
+            if t.is_empty() {
+                return Ok(Vec::new());
+            }
+            let ranks = t
+                .split(',')
+                .map(|r| match r.parse::<u32>() {
+                    Ok(r) if r < world_size => Ok(Rank(r)),
+                    _ => Err(format!("blame {text:?}: {r:?} is not a rank of a group of {world_size}")),
+                })
+                .collect::<Result<Vec<_>, _>>()?;
+            if ranks.len() > world_size as usize {
+                return Err(format!("blame {text:?} names more ranks than the group has"));
+            }
+            Ok(ranks)
+        };
+        if text == "-" || text == "?" {
+            return Ok(Blame::nobody());
+        }
+        if let Some(rest) = text.strip_prefix('?') {
+            return Ok(Blame::undecided(list(rest)?));
+        }
+        if let Some((near, far)) = text.split_once('|') {
+            let (near, far) = (list(near)?, list(far)?);
+            if near.is_empty() || far.is_empty() {
+                return Err(format!("blame {text:?}: a cut needs ranks on both sides"));
+            }
+            return Ok(Blame::cut(near, far));
+        }
+        let ranks = list(text)?;
+        if ranks.is_empty() {
+            return Err("an empty blame (write ? for nobody)".into());
+        }
+        Ok(Blame::ranks(ranks))
+    }
+}
+
+fn sorted(ranks: impl IntoIterator<Item = Rank>) -> Vec<Rank> {
+    let mut v: Vec<Rank> = ranks.into_iter().collect();
+    v.sort_unstable();
+    v.dedup();
+    v
+}
+
+/// `[0, 1, 2, 5]` as `[0-2, 5]`.
+pub fn rank_ranges(ranks: &[Rank]) -> String {
+    let mut out = String::from("[");
+    let mut i = 0;
+    while i < ranks.len() {
+        let start = ranks[i].0;
+        let mut end = start;
+        while i + 1 < ranks.len() && ranks[i + 1].0 == end + 1 {
+            i += 1;
+            end += 1;
+        }
+        if out.len() > 1 {
+            out.push_str(", ");
+        }
+        if end > start {
+            let _ = fmt::Write::write_fmt(&mut out, format_args!("{start}-{end}"));
+        } else {
+            let _ = fmt::Write::write_fmt(&mut out, format_args!("{start}"));
+        }
+        i += 1;
+    }
+    out.push(']');
+    out
+}
+
+impl fmt::Display for Blame {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Blame::Ranks { ranks } if ranks.len() == 1 => write!(f, "rank {}", ranks[0]),
+            Blame::Ranks { ranks } => write!(f, "ranks {}", rank_ranges(ranks)),
+            Blame::Cut { near, far } => {
+                write!(f, "a network cut between ranks {} and ranks {}", rank_ranges(near), rank_ranges(far))
+            }
+            Blame::Undecided { suspects } if suspects.is_empty() => f.write_str("undecided, no suspects"),
+            Blame::Undecided { suspects } => write!(f, "undecided, suspects {}", rank_ranges(suspects)),
+        }
+    }
+}
+
 /// How a work ended.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(tag = "result", rename_all = "snake_case")]
@@ -223,23 +400,24 @@ pub enum WorkResult {
     Timeout {
         /// c10d-style message naming op, seq, sizes, timeout, elapsed time and missing ranks.
         message: String,
-        /// The rank it blames: the one rank it waited for, or where the waiting chain ended.
-        #[serde(default, skip_serializing_if = "Option::is_none")]
-        culprit: Option<Rank>,
+        /// Whom it blames: the one rank it waited for, or where the waiting chain ended;
+        /// undecided, with the ranks it waited for as suspects, otherwise.
+        blame: Blame,
     },
-    /// This rank's communication failed (a peer's connection dropped, a protocol error…).
+    /// This rank's communication failed (a peer's connection dropped, a desync, a protocol
+    /// error…).
     CommError {
-        /// The rank the failure is about, when there is one.
-        rank: Option<Rank>,
+        /// Whom it blames.
+        blame: Blame,
         /// What happened.
         message: String,
     },
     /// Another rank failed first and told this one.
     RemoteError {
-        /// The rank that failed first and reported it.
+        /// The rank that failed first (not a rank that only relayed it).
         rank: Rank,
-        /// The rank it blamed (e.g. the peer it lost), when it named one.
-        culprit: Option<Rank>,
+        /// Whom that rank blamed.
+        blame: Blame,
         /// Its cause.
         message: String,
     },
@@ -266,24 +444,34 @@ impl WorkResult {
         matches!(self, WorkResult::Success)
     }
 
-    /// The rank this result blames, if any.
-    pub fn culprit(&self) -> Option<Rank> {
+    /// Whom it blames: `None` for a success or an abort (nobody failed), the failure's blame
+    /// otherwise.
+    pub fn blame(&self) -> Option<&Blame> {
         match self {
-            WorkResult::CommError { rank, .. } => *rank,
-            WorkResult::Timeout { culprit, .. } => *culprit,
-            WorkResult::RemoteError { rank, culprit, .. } => culprit.or(Some(*rank)),
-            _ => None,
+            WorkResult::Timeout { blame, .. }
+            | WorkResult::CommError { blame, .. }
+            | WorkResult::RemoteError { blame, .. } => Some(blame),
+            WorkResult::Success | WorkResult::Aborted { .. } => None,
         }
+    }
+
+    /// The one rank it blames, if exactly one (see [`Blame::culprit`]).
+    pub fn culprit(&self) -> Option<Rank> {
+        self.blame().and_then(Blame::culprit)
     }
 }
 
 impl fmt::Display for WorkResult {
+    /// The message, then whom it blames: `…; blame: rank 2`.
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match self {
             WorkResult::Success => f.write_str("success"),
-            WorkResult::Timeout { message, .. } => f.write_str(message),
-            WorkResult::CommError { message, .. } => f.write_str(message),
-            WorkResult::RemoteError { rank, message, .. } => write!(f, "rank {rank} failed first: {message}"),
+            WorkResult::Timeout { message, blame } | WorkResult::CommError { message, blame } => {
+                write!(f, "{message}; blame: {blame}")
+            }
+            WorkResult::RemoteError { rank, message, blame } => {
+                write!(f, "rank {rank} failed first: {message}; blame: {blame}")
+            }
             WorkResult::Aborted { reason } => write!(f, "aborted: {reason}"),
         }
     }
@@ -425,10 +613,42 @@ mod tests {
     #[test]
     fn results_map_to_terminal_states() {
         assert_eq!(WorkResult::Success.terminal_state(), WorkState::Completed);
-        let remote = WorkResult::RemoteError { rank: Rank(3), culprit: None, message: "connection reset".into() };
+        let remote =
+            WorkResult::RemoteError { rank: Rank(3), blame: Blame::rank(Rank(1)), message: "connection reset".into() };
         assert_eq!(remote.terminal_state(), WorkState::Failed);
-        assert_eq!(remote.culprit(), Some(Rank(3)));
-        assert_eq!(remote.to_string(), "rank 3 failed first: connection reset");
+        assert_eq!(remote.culprit(), Some(Rank(1)));
+        assert_eq!(remote.to_string(), "rank 3 failed first: connection reset; blame: rank 1");
+        let undecided =
+            WorkResult::Timeout { message: "timed out".into(), blame: Blame::undecided([Rank(2), Rank(1)]) };
+        assert_eq!(undecided.culprit(), None);
+        assert_eq!(undecided.to_string(), "timed out; blame: undecided, suspects [1-2]");
+        assert_eq!(WorkResult::Aborted { reason: "bye".into() }.blame(), None);
+    }
+
+    #[test]
+    fn blames_print_what_they_hold_and_round_trip_through_their_text() {
+        let cases = [
+            (Blame::rank(Rank(2)), "2", "rank 2"),
+            (Blame::ranks([Rank(1), Rank(0)]), "0,1", "ranks [0-1]"),
+            (
+                Blame::cut([Rank(0), Rank(1), Rank(4)], [Rank(2), Rank(3)]),
+                "0,1,4|2,3",
+                "a network cut between ranks [0-1, 4] and ranks [2-3]",
+            ),
+            (Blame::undecided([Rank(3)]), "?3", "undecided, suspects [3]"),
+            (Blame::nobody(), "?", "undecided, no suspects"),
+        ];
+        for (blame, text, shown) in cases {
+            assert_eq!(blame.encode(), text);
+            assert_eq!(blame.to_string(), shown);
+            assert_eq!(Blame::parse(text, 8), Ok(blame));
+        }
+        assert_eq!(Blame::parse("-", 8), Ok(Blame::nobody()));
+        assert_eq!(Blame::cut([Rank(0), Rank(1)], [Rank(5)]).culprit(), Some(Rank(5)), "one rank cut off");
+        assert_eq!(Blame::ranks([Rank(0), Rank(1)]).culprit(), None);
+        for bad in ["", "8", "x", "1,,2", "|1", "1|", "?9", "-1", "1|2|3"] {
+            assert!(Blame::parse(bad, 8).is_err(), "{bad:?}");
+        }
     }
 
     #[test]

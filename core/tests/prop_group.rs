@@ -82,6 +82,7 @@ proptest! {
         let mut finished: Vec<WorkId> = Vec::new();
         let mut outcomes: Vec<(WorkId, WorkState, bool)> = Vec::new();
         let mut closed = false;
+        let mut refused = 0usize;
 
         for inp in inputs {
             let pick = |i: usize| -> Option<WorkId> { (!submitted.is_empty()).then(|| submitted[i % submitted.len()]) };
@@ -91,10 +92,15 @@ proptest! {
                         Input::SubmitSend(peer) => Collective::new(OpType::Send).inputs(vec![TensorSpec::new(DType::F32, &[4])]).peer(Rank(peer % world), 0),
                         _ => Collective::new(OpType::Allreduce).inputs(vec![TensorSpec::new(DType::F32, &[4])]),
                     };
-                    if let Ok(id) = g.submit(now, c) {
-                        prop_assert!(!closed, "a failed or aborted group accepted a submit");
-                        prop_assert!(submitted.last().is_none_or(|last| *last < id));
-                        submitted.push(id);
+                    let valid = c.validate(me, world).is_ok();
+                    match g.submit(now, c) {
+                        Ok(id) => {
+                            prop_assert!(!closed, "a failed or aborted group accepted a submit");
+                            prop_assert!(submitted.last().is_none_or(|last| *last < id));
+                            submitted.push(id);
+                        }
+                        Err(cohort_core::group::SubmitError::GroupFailed { .. }) if valid => refused += 1,
+                        Err(_) => {}
                     }
                 }
                 Input::Start(i) => if let Some(id) = pick(i) { g.handle_started(now, id) },
@@ -106,7 +112,7 @@ proptest! {
                 Input::PeerLost(r) => g.handle_peer_lost(now, Rank(r % world), "EOF".into()),
                 Input::PeerDeparted(r) => g.handle_peer_departed(now, Rank(r % world)),
                 Input::PeerActivity(r) => g.handle_peer_activity(now, Rank(r % world)),
-                Input::RemoteError(r) => g.handle_message(now, Rank(r % world), ControlMsg::Error { culprit: None, message: "remote".into() }),
+                Input::RemoteError(r) => g.handle_message(now, Rank(r % world), ControlMsg::Error { origin: Rank(r % world), blame: cohort_core::Blame::nobody(), message: "remote".into() }),
                 Input::RemoteAbort(r) => g.handle_message(now, Rank(r % world), ControlMsg::Abort { reason: "remote".into() }),
                 Input::Abort => g.handle_abort(now, "test".into()),
                 Input::Advance(ms) => {
@@ -152,10 +158,17 @@ proptest! {
         prop_assert_eq!(finished, submitted.clone());
         prop_assert_eq!(g.in_flight(), 0);
 
-        // The recorder saw exactly the works the events reported, each in its final state.
+        // The recorder saw exactly the works the events reported, each in its final state,
+        // and, failed at once, every collective refused because the group had failed.
         let dump = g.dump();
-        prop_assert_eq!(dump.entries.len(), submitted.len());
-        for (entry, (id, state, started)) in dump.entries.iter().zip(&outcomes) {
+        let is_refused = |e: &&cohort_core::recorder::DumpEntry| {
+            e.cohort_error.as_deref().is_some_and(|m| m.contains("refused: the group had failed"))
+        };
+        let (refusals, entries): (Vec<_>, Vec<_>) = dump.entries.iter().partition(is_refused);
+        prop_assert_eq!(refusals.len(), refused);
+        prop_assert!(refusals.iter().all(|e| e.cohort_state == Some(WorkState::Failed) && e.cohort_blame.is_some()));
+        prop_assert_eq!(entries.len(), submitted.len());
+        for (entry, (id, state, started)) in entries.into_iter().zip(&outcomes) {
             let want = id.0;
             prop_assert_eq!(entry.op_id, want);
             prop_assert_eq!(entry.cohort_state, Some(*state));

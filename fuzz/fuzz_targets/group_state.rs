@@ -23,6 +23,9 @@ enum Input {
     PeerDeparted(u8),
     PeerActivity(u8),
     RemoteError(u8, Option<u8>),
+    Mismatch(u8, u8),
+    /// A census vote: from, seq, and the signature's bytes (decoded as a peer's would be).
+    Census(u8, u8, Vec<u8>),
     RemoteAbort(u8),
     RemoteStuck(u8, u8, Vec<u8>),
     Abort,
@@ -104,7 +107,24 @@ fuzz_target!(|case: Case| {
             Input::PeerDeparted(r) => g.handle_peer_departed(now, rank(r)),
             Input::PeerActivity(r) => g.handle_peer_activity(now, rank(r)),
             Input::RemoteError(r, c) => {
-                g.handle_message(now, rank(r), ControlMsg::Error { culprit: c.map(rank), message: "remote".into() })
+                let blame = cohort_core::Blame::from_option(c.map(rank));
+                g.handle_message(now, rank(r), ControlMsg::Error { origin: rank(r), blame, message: "remote".into() })
+            }
+            Input::Mismatch(i, r) => {
+                if let Some(id) = pick(i) {
+                    g.handle_completion(now, id, Completion::Mismatch { rank: rank(r), message: "injected".into() })
+                }
+            }
+            Input::Census(r, seq, bytes) => {
+                let frame = cohort_core::protocol::decode_control(
+                    cohort_core::protocol::FrameKind::Census,
+                    SeqNo(u64::from(seq)),
+                    &bytes,
+                    world,
+                );
+                if let Ok(Some(msg)) = frame {
+                    g.handle_message(now, rank(r), msg);
+                }
             }
             Input::RemoteAbort(r) => g.handle_message(now, rank(r), ControlMsg::Abort { reason: "remote".into() }),
             Input::RemoteStuck(r, seq, on) => {

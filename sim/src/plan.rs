@@ -12,6 +12,7 @@
 //! | `hang R @collective K` | the rank stays alive but never calls collective K |
 //! | `partition A-B @T ms [until U ms]` | the link between two ranks drops everything, optionally repaired at U |
 //! | `isolate R @T ms [until U ms]` | the rank is partitioned from every other rank and the store |
+//! | `cut A..B @T ms [until U ms]` | ranks A to B-1 are partitioned from all the others (every link across drops); the store stays reachable from both sides |
 //! | `hold A-B @T ms [until U ms]` | the link holds its messages (silence, nothing lost), released at U |
 //! | `latency A-B L ms [@T ms]` | the link's latency becomes L from time T (default 0) |
 //! | `slow R D ms` | the rank sleeps D before every collective |
@@ -20,8 +21,10 @@
 //!
 //! Spaces around `ms` are optional (`@500ms`). `op=other`, `numel=other` and `dtype=other`
 //! change to the next op, twice the size plus one, or f64 (f32 from f64). The compact
-//! one-word form `crash:3@seq5`, `hang:2@seq4`, `partition:0-1@t=2s`, `desync-size:1@seq3`
-//! (see [`Fault`]'s `FromStr`) reads the same faults; `seqN` is the N-th collective.
+//! one-word form `crash:3@seq5`, `hang:2@seq4`, `partition:0-1@t=2s`, `cut:1..3@t=500ms`,
+//! `desync-size:1@seq3` (see [`Fault`]'s `FromStr`) reads the same faults; `seqN` is the N-th
+//! collective. A cut's `A..B` is half-open, as in Rust: `cut 1..3` puts ranks 1 and 2 on one
+//! side.
 
 use std::fmt;
 use std::str::FromStr;
@@ -92,6 +95,20 @@ pub enum Fault {
     Isolate {
         /// The rank.
         rank: u32,
+        /// From (ms).
+        at_ms: u64,
+        /// Repaired at (ms), if ever.
+        until_ms: Option<u64>,
+    },
+    /// A partition between two sets of ranks: ranks `from..to` on one side, every other rank
+    /// on the other; every link across drops everything, both ways (as a [`Fault::Partition`]
+    /// of each pair across). Links within a side keep working, and the store's host stays
+    /// reachable from both sides (unlike [`Fault::Isolate`], which cuts the store too).
+    Cut {
+        /// The first rank of the side `from..to`.
+        from: u32,
+        /// One past its last rank.
+        to: u32,
         /// From (ms).
         at_ms: u64,
         /// Repaired at (ms), if ever.
@@ -208,6 +225,8 @@ impl Fault {
             | Fault::Desync { rank, .. }
             | Fault::Device { rank, .. } => vec![rank],
             Fault::Partition { a, b, .. } | Fault::Hold { a, b, .. } | Fault::Latency { a, b, .. } => vec![a, b],
+            // The side `from..to` (the other side is every other rank).
+            Fault::Cut { from, to, .. } => (from..to).collect(),
             Fault::StoreCrash { .. } => Vec::new(),
         }
     }
@@ -223,6 +242,13 @@ impl Fault {
         {
             return Err(format!("{self}: a link joins two different ranks"));
         }
+        if let Fault::Cut { from, to, .. } = *self
+            && (from >= to || to > world_size || (from == 0 && to == world_size))
+        {
+            return Err(format!(
+                "{self}: a cut needs ranks on both sides: {from}..{to} must be a non-empty part of the {world_size} ranks 0..{world_size}"
+            ));
+        }
         let k = match *self {
             Fault::Crash { at: Trigger::Collective(k), .. } | Fault::Hang { collective: k, .. } => Some(k),
             Fault::Desync { collective: k, .. } | Fault::Device { collective: k, .. } => Some(k),
@@ -235,6 +261,7 @@ impl Fault {
         }
         if let Fault::Partition { at_ms, until_ms: Some(u), .. }
         | Fault::Isolate { at_ms, until_ms: Some(u), .. }
+        | Fault::Cut { at_ms, until_ms: Some(u), .. }
         | Fault::Hold { at_ms, until_ms: Some(u), .. } = *self
             && u <= at_ms
         {
@@ -263,6 +290,10 @@ impl fmt::Display for Fault {
             }
             Fault::Isolate { rank, at_ms, until_ms } => {
                 write!(f, "isolate {rank} @{at_ms}ms")?;
+                until(f, until_ms)
+            }
+            Fault::Cut { from, to, at_ms, until_ms } => {
+                write!(f, "cut {from}..{to} @{at_ms}ms")?;
                 until(f, until_ms)
             }
             Fault::Hold { a, b, at_ms, until_ms } => {
@@ -340,6 +371,10 @@ impl Words<'_> {
         let parse = |x: &str| x.parse::<u32>().map_err(|_| self.err(&format!("rank {x:?} is not a number")));
         Ok((parse(a)?, parse(b)?))
     }
+    fn range(&mut self) -> Result<(u32, u32), String> {
+        let w = self.next("a range of ranks A..B")?;
+        range(&w).map_err(|e| self.err(&e))
+    }
     fn until(&mut self) -> Result<Option<u64>, String> {
         match self.words.next() {
             None => Ok(None),
@@ -360,8 +395,15 @@ impl Words<'_> {
     }
 }
 
+/// A half-open range of ranks `A..B`.
+fn range(w: &str) -> Result<(u32, u32), String> {
+    let (a, b) = w.split_once("..").ok_or_else(|| format!("expected a range of ranks A..B (A to B-1), got {w:?}"))?;
+    let parse = |x: &str| x.parse::<u32>().map_err(|_| format!("rank {x:?} is not a number"));
+    Ok((parse(a)?, parse(b)?))
+}
+
 /// The compact form, one word: `crash:3@seq5`, `crash:3@t=2s`, `hang:2@seq4`,
-/// `partition:0-1@t=2s`, `isolate:1@t=500ms`, `hold:0-1@t=1s`, `slow:2@100ms`,
+/// `partition:0-1@t=2s`, `isolate:1@t=500ms`, `cut:1..3@t=500ms`, `hold:0-1@t=1s`, `slow:2@100ms`,
 /// `desync-op:1@seq3`, `desync-size:1@seq3`, `desync-dtype:1@seq3`, `store-crash@t=1s`, and
 /// on the NCCL backend `kernel-hang:2@seq3`, `nccl-error:2@seq3`, `slow-kernel:2@seq3`.
 /// `seqN` is the N-th collective (1-based, the sequence number a script's collective gets).
@@ -401,6 +443,10 @@ fn compact(text: &str) -> Result<Fault, String> {
             Ok(Fault::Partition { a, b, at_ms: time()?, until_ms: None })
         }
         "isolate" => Ok(Fault::Isolate { rank: rank()?, at_ms: time()?, until_ms: None }),
+        "cut" => {
+            let (from, to) = range(who).map_err(|e| err(&e))?;
+            Ok(Fault::Cut { from, to, at_ms: time()?, until_ms: None })
+        }
         "hold" => {
             let (a, b) = link()?;
             Ok(Fault::Hold { a, b, at_ms: time()?, until_ms: None })
@@ -424,7 +470,8 @@ impl FromStr for Fault {
             return compact(text.trim());
         }
         let mut w = Words { text, words: words(text).into_iter() };
-        let kind = w.next("a fault (crash, hang, partition, isolate, hold, latency, slow, desync, store-crash)")?;
+        let kind =
+            w.next("a fault (crash, hang, partition, isolate, cut, hold, latency, slow, desync, store-crash)")?;
         let fault = match kind.as_str() {
             "crash" => {
                 let rank = w.num("a rank")?;
@@ -452,6 +499,11 @@ impl FromStr for Fault {
                 let rank = w.num("a rank")?;
                 let at_ms = w.at_ms()?;
                 Fault::Isolate { rank, at_ms, until_ms: w.until()? }
+            }
+            "cut" => {
+                let (from, to) = w.range()?;
+                let at_ms = w.at_ms()?;
+                Fault::Cut { from, to, at_ms, until_ms: w.until()? }
             }
             "hold" => {
                 let (a, b) = w.link()?;
@@ -571,6 +623,13 @@ impl FaultPlan {
             1 => Fault::Crash { rank: rank(&mut rng), at: Trigger::Collective(rng.below(steps as u64) as usize) },
             2 => Fault::Crash { rank: rank(&mut rng), at: Trigger::AtMs(at(&mut rng)) },
             3 => Fault::Hang { rank: rank(&mut rng), collective: rng.below(steps as u64) as usize },
+            // A quarter of the partitions are cuts between two sets of ranks (drawn here so
+            // that every other seed keeps its plan).
+            4 if n >= 3 && SplitMix64(seed ^ 0xC07).below(4) == 0 => {
+                let size = 1 + rng.below(u64::from(n - 1)) as u32;
+                let from = rng.below(u64::from(n - size + 1)) as u32;
+                Fault::Cut { from, to: from + size, at_ms: at(&mut rng), until_ms: None }
+            }
             4 => {
                 let (a, b) = link(&mut rng);
                 Fault::Partition { a, b, at_ms: at(&mut rng), until_ms: None }
@@ -652,9 +711,14 @@ mod tests {
         let text = "crash 2 @collective 3; crash 1 @500ms; hang 0 @collective 1; partition 0-1 @200ms until 900ms; \
                     isolate 3 @10ms; hold 1-2 @5ms until 50ms; latency 0-3 20ms @100ms; slow 2 30ms; \
                     desync 1 @collective 2 op=broadcast; desync 1 @collective 0 numel=7; \
-                    desync 0 @collective 1 dtype=f16; store-crash @300ms";
+                    desync 0 @collective 1 dtype=f16; store-crash @300ms; cut 1..3 @500ms; \
+                    cut 0..1 @20ms until 400ms";
         let plan: FaultPlan = text.parse().unwrap();
-        assert_eq!(plan.faults.len(), 12);
+        assert_eq!(plan.faults.len(), 14);
+        assert_eq!(plan.faults[12], Fault::Cut { from: 1, to: 3, at_ms: 500, until_ms: None });
+        assert_eq!(plan.faults[13], Fault::Cut { from: 0, to: 1, at_ms: 20, until_ms: Some(400) });
+        assert_eq!(plan.faults[12].to_string(), "cut 1..3 @500ms");
+        assert_eq!(plan.faults[13].to_string(), "cut 0..1 @20ms until 400ms");
         assert_eq!(plan.faults[1], Fault::Crash { rank: 1, at: Trigger::AtMs(500) });
         assert_eq!(plan.faults[10], Fault::Desync { rank: 0, collective: 1, change: Change::Dtype(DType::F16) });
         assert_eq!(plan.to_string().parse::<FaultPlan>().unwrap(), plan);
@@ -671,6 +735,8 @@ mod tests {
         assert_eq!(f("hang:2@seq4"), Fault::Hang { rank: 2, collective: 3 });
         assert_eq!(f("partition:0-1@t=2s"), Fault::Partition { a: 0, b: 1, at_ms: 2000, until_ms: None });
         assert_eq!(f("isolate:1@t=500ms"), Fault::Isolate { rank: 1, at_ms: 500, until_ms: None });
+        assert_eq!(f("cut:1..3@t=500ms"), Fault::Cut { from: 1, to: 3, at_ms: 500, until_ms: None });
+        assert_eq!(f("cut:1..3@t=500ms").to_string().parse::<Fault>().unwrap(), f("cut:1..3@t=500ms"));
         assert_eq!(f("slow:2@100ms"), Fault::Slow { rank: 2, delay_ms: 100 });
         assert_eq!(f("desync-size:1@seq3"), Fault::Desync { rank: 1, collective: 2, change: Change::OtherSize });
         assert_eq!(f("store-crash@t=1s"), Fault::StoreCrash { at_ms: 1000 });
@@ -686,6 +752,7 @@ mod tests {
         assert!(err("crash:x@seq1").contains("rank \"x\" is not a number"));
         assert!(err("hang:1@seq0").contains("start at 1"));
         assert!(err("partition:0-1@t=2").contains("needs a unit"));
+        assert!(err("cut:1-3@t=2s").contains("expected a range of ranks A..B"));
         assert!(err("melt:1@seq1").contains("unknown fault \"melt\""));
     }
 
@@ -696,6 +763,8 @@ mod tests {
         assert!(err("crash x @5ms").contains("rank \"x\" is not a number"));
         assert!(err("crash 1 @5").contains("expected \"ms\""));
         assert!(err("partition 01 @5ms").contains("expected a link A-B"));
+        assert!(err("cut 1-3 @5ms").contains("expected a range of ranks A..B"));
+        assert!(err("cut 1..x @5ms").contains("rank \"x\" is not a number"));
         assert!(err("hold 0-1 @5ms until").contains("expected a time"));
         assert!(err("desync 1 @collective 2 colour=red").contains("op=OP, numel=N or dtype=D"));
         assert!(err("desync 1 @collective 2 op=allreduse").contains("unknown collective"));
@@ -710,13 +779,22 @@ mod tests {
         assert!(e.contains("two different ranks"), "{e}");
         let e = "hold 0-1 @50ms until 20ms".parse::<FaultPlan>().unwrap().validate(4, None).unwrap_err();
         assert!(e.contains("must end after it starts"), "{e}");
+        let e = "cut 1..3 @50ms until 20ms".parse::<FaultPlan>().unwrap().validate(4, None).unwrap_err();
+        assert!(e.contains("must end after it starts"), "{e}");
+        for bad in ["cut 0..4 @5ms", "cut 2..2 @5ms", "cut 3..1 @5ms"] {
+            let e = bad.parse::<FaultPlan>().unwrap().validate(4, None).unwrap_err();
+            assert!(e.contains("a cut needs ranks on both sides"), "{bad}: {e}");
+        }
+        let e = "cut 2..5 @5ms".parse::<FaultPlan>().unwrap().validate(4, None).unwrap_err();
+        assert!(e.contains("rank 4 is not a rank of a 4-rank world"), "{e}");
+        "cut 0..3 @5ms; cut 3..4 @5ms".parse::<FaultPlan>().unwrap().validate(4, None).unwrap();
     }
 
     #[test]
     fn random_plans_are_a_function_of_the_seed_and_valid() {
         let script = Script::allreduces(5, 16);
         let mut kinds = std::collections::BTreeSet::new();
-        for seed in 0..500 {
+        for seed in 0..1000 {
             let plan = FaultPlan::random(seed, 4, 5, 100);
             assert_eq!(plan, FaultPlan::random(seed, 4, 5, 100));
             plan.validate(4, Some(&script)).unwrap();
@@ -726,6 +804,7 @@ mod tests {
                     .map_or("none".to_owned(), |f| f.to_string().split_whitespace().next().unwrap().to_owned()),
             );
         }
-        assert_eq!(kinds.len(), 10, "every kind is drawn: {kinds:?}");
+        assert_eq!(kinds.len(), 11, "every kind is drawn: {kinds:?}");
+        assert!(kinds.contains("cut"), "{kinds:?}");
     }
 }

@@ -251,7 +251,10 @@ impl Simulation {
                 (Backend::Tcp, Fault::Device { .. }) => {
                     return Err(format!("{f}: device faults need the NCCL backend (--backend nccl)"));
                 }
-                (Backend::Nccl, Fault::Partition { .. } | Fault::Hold { .. } | Fault::Latency { .. }) => {
+                (
+                    Backend::Nccl,
+                    Fault::Partition { .. } | Fault::Cut { .. } | Fault::Hold { .. } | Fault::Latency { .. },
+                ) => {
                     return Err(format!(
                         "{f}: the emulated NCCL fabric runs through the store host, so a link between two ranks carries nothing (isolate a rank instead)"
                     ));
@@ -343,8 +346,12 @@ pub struct WorkOutcome {
     pub outcome: Outcome,
     /// The error text.
     pub error: Option<String>,
-    /// The rank the error blames.
+    /// The rank the error blames, when it blames exactly one (see `blame`).
     pub culprit: Option<u32>,
+    /// Whom the error blames (ranks, a cut, or undecided with suspects); `None` for a work
+    /// that did not fail or whose failure is the simulator's own (a wrong result).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub blame: Option<cohort_core::Blame>,
     /// When it was submitted (simulated ms).
     pub submitted_ms: u64,
     /// When it ended (simulated ms).
@@ -592,6 +599,18 @@ impl Controller {
                         .map(rank_host)
                         .chain([STORE_HOST.to_owned()])
                         .map(|other| (rank_host(rank), other))
+                        .collect();
+                    out.push((at_ms, i, Action::Partition(links.clone())));
+                    if let Some(u) = until_ms {
+                        out.push((u, i, Action::Repair(links)));
+                    }
+                }
+                Fault::Cut { from, to, at_ms, until_ms } => {
+                    // Every link across, both ways (turmoil's partition is of a pair); the
+                    // store stays reachable from both sides.
+                    let links: Vec<(String, String)> = (from..to)
+                        .flat_map(|a| (0..n).filter(move |b| !(from..to).contains(b)).map(move |b| (a, b)))
+                        .map(|(a, b)| (rank_host(a), rank_host(b)))
                         .collect();
                     out.push((at_ms, i, Action::Partition(links.clone())));
                     if let Some(u) = until_ms {
@@ -919,7 +938,8 @@ impl RankCtx {
                         seq: None,
                         outcome: Outcome::Refused,
                         error: Some(e.clone()),
-                        culprit: pg.failure().and_then(|f| f.culprit).map(|r| r.0),
+                        culprit: pg.failure().and_then(|f| f.culprit()).map(|r| r.0),
+                        blame: pg.failure().map(|f| f.blame.clone()),
                         submitted_ms,
                         ended_ms: Some(submitted_ms),
                     });
@@ -955,13 +975,14 @@ impl RankCtx {
                 outcome: Outcome::Unfinished,
                 error: None,
                 culprit: None,
+                blame: None,
                 submitted_ms,
                 ended_ms: None,
             });
             slot.works.len() - 1
         };
         let result = work.clone().await;
-        let (outcome, error, culprit) = match result {
+        let (outcome, error, blame) = match result {
             Ok(outputs) => match pg.outputs(pending, outputs).await {
                 Ok(outputs) => match check(&call, self.rank, self.cfg.world_size, &outputs) {
                     Ok(()) => (Outcome::Completed, None, None),
@@ -969,14 +990,16 @@ impl RankCtx {
                 },
                 Err(e) => (Outcome::Failed, Some(e), None),
             },
-            Err(e) => (Outcome::of(work.state()), Some(e.to_string()), e.culprit().map(|r| r.0)),
+            Err(e) => (Outcome::of(work.state()), Some(e.to_string()), Some(e.blame())),
         };
+        let culprit = blame.as_ref().and_then(cohort_core::Blame::culprit).map(|r| r.0);
         let ended_ms = sim_ms();
         let mut slot = self.slot();
         let w = &mut slot.works[index];
         w.outcome = outcome;
         w.error = error.clone();
         w.culprit = culprit;
+        w.blame = blame;
         w.ended_ms = Some(ended_ms);
         match error {
             None => Ok(()),

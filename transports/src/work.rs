@@ -79,11 +79,20 @@ impl WorkError {
     pub fn to_result(&self) -> WorkResult {
         match self {
             WorkError::Failed { result, .. } => result.clone(),
-            other => WorkResult::CommError { rank: None, message: other.to_string() },
+            other => WorkResult::CommError { blame: cohort_core::Blame::nobody(), message: other.to_string() },
         }
     }
 
-    /// The rank this error blames, if any.
+    /// Whom this error blames: the failed work's blame (undecided, no suspects, for a wait
+    /// that gave up, a dropped work or an abort).
+    pub fn blame(&self) -> cohort_core::Blame {
+        match self {
+            WorkError::Failed { result, .. } => result.blame().cloned().unwrap_or_else(cohort_core::Blame::nobody),
+            _ => cohort_core::Blame::nobody(),
+        }
+    }
+
+    /// The rank this error blames, if exactly one (see [`cohort_core::Blame::culprit`]).
     pub fn culprit(&self) -> Option<Rank> {
         match self {
             WorkError::Failed { result, .. } => result.culprit(),
@@ -256,7 +265,7 @@ impl Work {
         F: Future<Output = Result<Vec<Tensor>, String>> + Send + 'static,
     {
         Work::from_work_future(&tokio::runtime::Handle::current(), op, async move {
-            fut.await.map_err(|message| WorkResult::CommError { rank: None, message })
+            fut.await.map_err(|message| WorkResult::CommError { blame: cohort_core::Blame::nobody(), message })
         })
     }
 
@@ -283,7 +292,10 @@ impl Work {
                         s => s,
                     };
                     let result = if result.is_success() {
-                        WorkResult::CommError { rank: None, message: "the wrapped future failed".into() }
+                        WorkResult::CommError {
+                            blame: cohort_core::Blame::nobody(),
+                            message: "the wrapped future failed".into(),
+                        }
                     } else {
                         result
                     };
@@ -711,12 +723,15 @@ mod tests {
     fn failures_name_op_seq_and_culprit() {
         let (work, completer) = Work::pending(WorkId(1), SeqNo(5), OpType::Broadcast, None);
         completer.finish(
-            WorkResult::CommError { rank: Some(Rank(2)), message: "connection to rank 2 lost: EOF".into() },
+            WorkResult::CommError {
+                blame: cohort_core::Blame::rank(Rank(2)),
+                message: "connection to rank 2 lost: EOF".into(),
+            },
             finished_lifecycle(WorkState::Failed),
             vec![],
         );
         let err = work.wait().unwrap_err();
-        assert_eq!(err.to_string(), "broadcast (seq 5) failed: connection to rank 2 lost: EOF");
+        assert_eq!(err.to_string(), "broadcast (seq 5) failed: connection to rank 2 lost: EOF; blame: rank 2");
         assert_eq!(err.culprit(), Some(Rank(2)));
         assert_eq!(work.exception(), Some(err));
         assert_eq!(work.state(), WorkState::Failed);
@@ -742,7 +757,7 @@ mod tests {
         });
         let (_work, completer) = Work::pending(WorkId(1), SeqNo(1), OpType::Allreduce, Some(hook));
         completer.finish(
-            WorkResult::Timeout { message: "t".into(), culprit: None },
+            WorkResult::Timeout { message: "t".into(), blame: cohort_core::Blame::nobody() },
             finished_lifecycle(WorkState::TimedOut),
             vec![],
         );
@@ -755,6 +770,6 @@ mod tests {
         assert_eq!(work.clone().await.unwrap(), vec![Tensor::from_slice(&[2i32])]);
         let failing = Work::from_future(OpType::Gather, async { Err("nope".to_string()) });
         let err = failing.await.unwrap_err();
-        assert_eq!(err.to_string(), "gather (seq 0) failed: nope");
+        assert_eq!(err.to_string(), "gather (seq 0) failed: nope; blame: undecided, no suspects");
     }
 }

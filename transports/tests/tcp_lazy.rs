@@ -139,5 +139,5 @@ async fn lazy_init_still_names_the_missing_rank_and_a_dead_peer_is_named_at_firs
         tokio::time::sleep(Duration::from_millis(10)).await;
     }
     let failure = learned.expect("rank 1 learns of the failure");
-    assert_eq!(failure.culprit, Some(Rank(2)), "{failure:?}");
+    assert_eq!(failure.culprit(), Some(Rank(2)), "{failure:?}");
 }

@@ -5,7 +5,7 @@
 //! Both are text, so that a person reading the store sees what happened. Decoding is total:
 //! any bytes give a record or an error, never a panic.
 
-use crate::work::{Rank, SeqNo};
+use crate::work::{Blame, Rank, SeqNo};
 
 /// Why a store record did not decode.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -26,33 +26,32 @@ pub enum RecordError {
 pub struct FailureRecord {
     /// The rank that failed first and published it.
     pub origin: Rank,
-    /// The rank it blamed, when it named one.
-    pub culprit: Option<Rank>,
+    /// Whom it blamed.
+    pub blame: Blame,
     /// What happened.
     pub message: String,
 }
 
 impl FailureRecord {
-    /// `origin\nculprit\nmessage`, the culprit `-` when unknown.
+    /// `origin\nblame\nmessage`, the blame as [`Blame::encode`] writes it.
     pub fn encode(&self) -> Vec<u8> {
-        let culprit = self.culprit.map_or_else(|| "-".to_owned(), |r| r.0.to_string());
-        format!("{}\n{culprit}\n{}", self.origin.0, self.message).into_bytes()
+        format!("{}\n{}\n{}", self.origin.0, self.blame.encode(), self.message).into_bytes()
     }
 
-    /// The record in `bytes`.
-    pub fn decode(bytes: &[u8]) -> Result<FailureRecord, RecordError> {
+    /// The record in `bytes`, written by a rank of a group of `world_size`.
+    pub fn decode(bytes: &[u8], world_size: u32) -> Result<FailureRecord, RecordError> {
         let bad = |reason: &str| RecordError::Malformed { record: "failure", reason: reason.into() };
         let text = String::from_utf8_lossy(bytes);
         let mut parts = text.splitn(3, '\n');
-        let (Some(origin), Some(culprit), Some(message)) = (parts.next(), parts.next(), parts.next()) else {
-            return Err(bad("expected origin, culprit and message on three lines"));
+        let (Some(origin), Some(blame), Some(message)) = (parts.next(), parts.next(), parts.next()) else {
+            return Err(bad("expected origin, blame and message on three lines"));
         };
-        let origin = origin.parse::<u32>().map(Rank).map_err(|_| bad("the origin is not a rank"))?;
-        let culprit = match culprit {
-            "-" => None,
-            c => Some(c.parse::<u32>().map(Rank).map_err(|_| bad("the culprit is neither a rank nor -"))?),
+        let origin = match origin.parse::<u32>() {
+            Ok(r) if r < world_size => Rank(r),
+            _ => return Err(bad("the origin is not a rank of the group")),
         };
-        Ok(FailureRecord { origin, culprit, message: message.to_owned() })
+        let blame = Blame::parse(blame, world_size).map_err(|e| bad(&e))?;
+        Ok(FailureRecord { origin, blame, message: message.to_owned() })
     }
 }
 
@@ -98,13 +97,17 @@ mod tests {
 
     #[test]
     fn failure_records_round_trip_and_bad_ones_are_errors() {
-        let r = FailureRecord { origin: Rank(3), culprit: Some(Rank(1)), message: "a\nmulti-line cause".into() };
-        assert_eq!(FailureRecord::decode(&r.encode()), Ok(r));
-        let r = FailureRecord { origin: Rank(0), culprit: None, message: String::new() };
-        assert_eq!(r.encode(), b"0\n-\n");
-        assert_eq!(FailureRecord::decode(&r.encode()), Ok(r));
-        for bad in [&b""[..], b"1\n2", b"x\n-\nm", b"1\ny\nm", b"\xff\n-\nm"] {
-            assert!(FailureRecord::decode(bad).is_err(), "{bad:?}");
+        let r = FailureRecord { origin: Rank(3), blame: Blame::rank(Rank(1)), message: "a\nmulti-line cause".into() };
+        assert_eq!(FailureRecord::decode(&r.encode(), 4), Ok(r));
+        let r = FailureRecord { origin: Rank(0), blame: Blame::nobody(), message: String::new() };
+        assert_eq!(r.encode(), b"0\n?\n");
+        assert_eq!(FailureRecord::decode(&r.encode(), 4), Ok(r));
+        let r =
+            FailureRecord { origin: Rank(0), blame: Blame::cut([Rank(0)], [Rank(1), Rank(2)]), message: "cut".into() };
+        assert_eq!(FailureRecord::decode(&r.encode(), 4), Ok(r));
+        assert_eq!(FailureRecord::decode(b"1\n-\nm", 4).map(|r| r.blame), Ok(Blame::nobody()));
+        for bad in [&b""[..], b"1\n2", b"x\n-\nm", b"1\ny\nm", b"\xff\n-\nm", b"4\n1\nm", b"1\n4\nm"] {
+            assert!(FailureRecord::decode(bad, 4).is_err(), "{bad:?}");
         }
     }
 

@@ -40,12 +40,16 @@ pub enum FrameKind {
     /// Code 7. The sender's collective `seq` has run half its timeout; the payload lists the
     /// ranks it still waits for, as little-endian u32s.
     Stuck,
+    /// Code 8. The sender's vote in the desync census of collective `seq`: its signature
+    /// there (15 bytes), or nothing if it has not reached it.
+    Census,
 }
 
 impl FrameKind {
     /// Every kind, in declaration order.
-    pub const ALL: [FrameKind; 7] = [
+    pub const ALL: [FrameKind; 8] = [
         FrameKind::Abort,
+        FrameKind::Census,
         FrameKind::Data,
         FrameKind::Error,
         FrameKind::Goodbye,
@@ -64,6 +68,7 @@ impl FrameKind {
             FrameKind::Abort => 5,
             FrameKind::Goodbye => 6,
             FrameKind::Stuck => 7,
+            FrameKind::Census => 8,
         }
     }
 
@@ -77,6 +82,7 @@ impl FrameKind {
             5 => Some(FrameKind::Abort),
             6 => Some(FrameKind::Goodbye),
             7 => Some(FrameKind::Stuck),
+            8 => Some(FrameKind::Census),
             _ => None,
         }
     }
@@ -102,6 +108,7 @@ impl FrameKind {
             FrameKind::Heartbeat => "heartbeat",
             FrameKind::P2p => "p2p",
             FrameKind::Stuck => "stuck",
+            FrameKind::Census => "census",
         }
     }
 }
@@ -629,7 +636,7 @@ mod tests {
 
     #[test]
     fn decode_refuses_unknown_kinds() {
-        for code in [0u8, 8, 255] {
+        for code in [0u8, 9, 255] {
             let mut b = header_bytes(&sample());
             b[6] = code;
             let err = FrameHeader::decode(&b, &FrameLimits::default()).unwrap_err();

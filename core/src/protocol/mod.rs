@@ -66,10 +66,12 @@
 //! check it); write the reply; read the peer's reply. The connection is up when both replies
 //! accept.
 
+mod control;
 mod failure;
 mod frame;
 mod handshake;
 
+pub use control::{ControlError, ControlFrame, decode_control, encode_control};
 pub use failure::{FailureRecord, ProgressRecord, RecordError};
 pub use frame::{
     FRAME_MAGIC, Fingerprint, Frame, FrameDecoder, FrameError, FrameHeader, FrameKind, FrameLimits, HEADER_LEN,

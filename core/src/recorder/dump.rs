@@ -20,7 +20,7 @@
 //! What ours adds, which torch's readers ignore: top-level `rank`, `world_size` (torch's
 //! analyzer takes the rank from the file name), `reset_epoch` and `reset_time_ns`; per entry
 //! `cohort_state` (the work's own terminal state: `failed`, `timed_out`, `aborted` are not
-//! expressible in torch's `state`), `cohort_error` and `cohort_time_finished_ns`. Ours always
+//! expressible in torch's `state`), `cohort_error`, `cohort_blame` and `cohort_time_finished_ns`. Ours always
 //! writes `entries`, even empty (torch leaves the key out when there are none, which its own
 //! loader then trips over).
 //!
@@ -205,6 +205,9 @@ pub struct DumpEntry {
     /// cohort extra: why the work failed, timed out or was aborted.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub cohort_error: Option<String>,
+    /// cohort extra: whom the failure blamed (the same as the end of `cohort_error`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub cohort_blame: Option<crate::work::Blame>,
     /// cohort extra: wall time (Unix ns) the work reached its terminal state.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub cohort_time_finished_ns: Option<u64>,

@@ -288,6 +288,7 @@ struct Slot {
     duration: Option<Duration>,
     state: WorkState,
     error: Option<Box<str>>,
+    blame: Option<Box<crate::work::Blame>>,
     /// Number of dims of each input, then of each output; their sizes, flattened, in `dims`.
     ranks: Vec<u32>,
     dims: Vec<u64>,
@@ -393,6 +394,7 @@ impl FlightRecorder {
         slot.duration = None;
         slot.state = WorkState::Enqueued;
         slot.error = None;
+        slot.blame = None;
         slot.ranks.clear();
         slot.dims.clear();
         slot.dtypes.clear();
@@ -475,6 +477,7 @@ impl FlightRecorder {
         slot.state = result.terminal_state();
         slot.finished = Some(now);
         slot.error = Some(result.to_string().into_boxed_str());
+        slot.blame = result.blame().cloned().map(Box::new);
     }
 
     /// Begin a new reset epoch at `now` (torch's `reset_all`): earlier ids become no-ops,
@@ -568,6 +571,7 @@ impl FlightRecorder {
             frames: Vec::new(),
             cohort_state: Some(slot.state),
             cohort_error: slot.error.as_deref().map(str::to_owned),
+            cohort_blame: slot.blame.as_deref().cloned(),
             cohort_time_finished_ns: slot.finished.map(|t| self.wall_ns(t)),
         }
     }
@@ -634,6 +638,7 @@ impl Slot {
             duration: None,
             state: WorkState::Enqueued,
             error: None,
+            blame: None,
             ranks: Vec::new(),
             dims: Vec::new(),
             dtypes: Vec::new(),

@@ -101,7 +101,7 @@ fn pg_status_follows_collectives() {
     // A failure does not count as completion.
     let c = fr.record(ms(4), &allreduce(3)).unwrap();
     fr.handle_started(c, ms(4));
-    fr.handle_finished(c, ms(5), &WorkResult::Timeout { message: "late".into(), culprit: None });
+    fr.handle_finished(c, ms(5), &WorkResult::Timeout { message: "late".into(), blame: crate::work::Blame::nobody() });
     assert_eq!(status(&fr, "0"), st(3, 3, 2));
     // Point-to-point ops leave it alone.
     let send = fr
@@ -215,7 +215,10 @@ fn failures_keep_torch_state_and_add_cohort_fields() {
     let running = fr.record(ms(0), &allreduce(2)).unwrap();
     fr.handle_started(running, ms(1));
     fr.handle_finished(queued, ms(2), &WorkResult::Aborted { reason: "group aborted".into() });
-    let lost = WorkResult::CommError { rank: Some(Rank(0)), message: "connection to rank 0 reset".into() };
+    let lost = WorkResult::CommError {
+        blame: crate::work::Blame::rank(Rank(0)),
+        message: "connection to rank 0 reset".into(),
+    };
     fr.handle_finished(running, ms(3), &lost);
     fr.handle_completed(running, ms(4)); // too late: it already ended
     let dump = fr.dump(meta());
@@ -223,7 +226,9 @@ fn failures_keep_torch_state_and_add_cohort_fields() {
     assert_eq!((q.state, q.cohort_state), (EntryState::Scheduled, Some(WorkState::Aborted)));
     assert_eq!(q.cohort_error.as_deref(), Some("aborted: group aborted"));
     assert_eq!((r.state, r.cohort_state), (EntryState::Started, Some(WorkState::Failed)));
-    assert_eq!(r.cohort_error.as_deref(), Some("connection to rank 0 reset"));
+    assert_eq!(r.cohort_error.as_deref(), Some("connection to rank 0 reset; blame: rank 0"));
+    assert_eq!(r.cohort_blame, Some(crate::work::Blame::rank(Rank(0))));
+    assert_eq!(q.cohort_blame, None, "an abort blames nobody");
     assert_eq!(r.cohort_time_finished_ns, Some(EPOCH_NS + 3_000_000));
     assert!(q.retired && r.retired);
     assert_eq!((r.time_discovered_completed_ns, r.duration_ms), (None, None));
@@ -305,7 +310,7 @@ fn small_dump() -> Dump {
     fr.handle_started(b, ms(7));
     let timeout = WorkResult::Timeout {
         message: "broadcast seq 1 timed out after 1500 ms waiting for rank 0".into(),
-        culprit: None,
+        blame: crate::work::Blame::rank(Rank(0)),
     };
     fr.handle_finished(b, ms(1_507), &timeout);
     let send = RecordRequest {

@@ -100,16 +100,18 @@ pub(crate) fn refused_work(pg: &ProcessGroup, e: &cohort_core::group::SubmitErro
 
 /// The result of a refused collective, blaming the rank the group's failure blamed.
 pub(crate) fn refused_result(e: &cohort_core::group::SubmitError) -> WorkResult {
-    let rank = match e {
-        cohort_core::group::SubmitError::GroupFailed { cause } => cause.culprit,
-        _ => None,
+    let blame = match e {
+        cohort_core::group::SubmitError::GroupFailed { cause } => cause.blame.clone(),
+        _ => cohort_core::Blame::nobody(),
     };
-    WorkResult::CommError { rank, message: e.to_string() }
+    WorkResult::CommError { blame, message: e.to_string() }
 }
 
 /// A work that has already failed with `message`.
 pub(crate) fn failed_work(pg: &ProcessGroup, message: String) -> Work {
-    pg.spawn_work(OpType::Allreduce, async move { Err(WorkResult::CommError { rank: None, message }) })
+    pg.spawn_work(OpType::Allreduce, async move {
+        Err(WorkResult::CommError { blame: cohort_core::Blame::nobody(), message })
+    })
 }
 
 /// fp16 or bf16 compression (torch's `fp16_compress_hook` / `bf16_compress_hook`): cast the
@@ -156,10 +158,13 @@ impl CommHook for CompressHook {
         let world = pg.world_size() as f32;
         pg.spawn_work(OpType::Allreduce, async move {
             let reduced = work.await.map_err(|e| e.to_result())?;
-            let t = reduced.first().ok_or_else(|| WorkResult::CommError { rank: None, message: "no output".into() })?;
+            let t = reduced.first().ok_or_else(|| WorkResult::CommError {
+                blame: cohort_core::Blame::nobody(),
+                message: "no output".into(),
+            })?;
             let wide: Vec<f32> = t.to_f64s().into_iter().map(|x| x as f32 / world).collect();
             let out = Tensor::from_slice_shaped(&wide, &shape)
-                .map_err(|e| WorkResult::CommError { rank: None, message: e.to_string() })?;
+                .map_err(|e| WorkResult::CommError { blame: cohort_core::Blame::nobody(), message: e.to_string() })?;
             Ok(vec![out])
         })
     }

@@ -116,7 +116,7 @@ impl CommHook for PowerSgdHook {
 }
 
 fn comm_err(message: impl Into<String>) -> WorkResult {
-    WorkResult::CommError { rank: None, message: message.into() }
+    WorkResult::CommError { blame: cohort_core::Blame::nobody(), message: message.into() }
 }
 
 async fn allreduce_sum(pg: &ProcessGroup, data: Vec<f32>) -> Result<Vec<f32>, WorkResult> {

@@ -499,6 +499,8 @@ impl<D: Device> NcclProcessGroup<D> {
         cfg.error_handling = opts.error_handling;
         // NCCL has no control channel: peers' liveness is the store's and the deadlines' job.
         cfg.heartbeat = None;
+        // No control messages between ranks here (only the store): no census to hold works for.
+        cfg.desync_census = false;
         // NCCL enqueues at call time; the device's stream orders the works.
         cfg.max_in_flight = usize::MAX;
         cfg.recorder = RecorderConfig { capacity: opts.trace_buffer_size, timing: opts.enable_timing };
@@ -541,6 +543,7 @@ impl<D: Device> NcclProcessGroup<D> {
             split_count: AtomicU64::new(0),
             opts,
         });
+        crate::tcp::sigterm::register(Arc::downgrade(&inner) as Weak<dyn crate::tcp::sigterm::Report>);
         runtime.spawn(watchdog(Arc::downgrade(&inner), inner.wake.clone(), inner.stalled.clone()));
         runtime.spawn(store_task(Arc::downgrade(&inner), inner.opts.status_interval));
         if let Some(limit) = inner.opts.heartbeat_timeout {
@@ -1352,7 +1355,8 @@ impl<D: Device> Inner<D> {
             if f.origin == self.rank {
                 let store = self.store.clone();
                 let key = error_key(&self.name);
-                let value = FailureRecord { origin: f.origin, culprit: f.culprit, message: f.message.clone() }.encode();
+                let value =
+                    FailureRecord { origin: f.origin, blame: f.blame.clone(), message: f.message.clone() }.encode();
                 self.runtime.spawn(async move {
                     if let Err(e) = store.compare_set(&key, b"", &value).await {
                         tracing::warn!("could not publish the failure through the store: {e}");
@@ -1453,7 +1457,10 @@ impl<D: Device> Inner<D> {
                 }
             }
             if let Some(message) = error {
-                st.group.handle_comm_error(t, None, message);
+                // The rank whose own communicator or device broke first is the one to look
+                // at: a peer's failure reaches the others as its error first.
+                let me = st.group.rank();
+                st.group.handle_comm_error(t, cohort_core::Blame::rank(me), message);
             }
             if st.group.poll_timeout().is_some_and(|d| d <= t) {
                 st.group.handle_timeout(t);
@@ -1491,11 +1498,11 @@ impl<D: Device> Inner<D> {
         let key = error_key(&self.name);
         if matches!(self.store.check(&[key.as_str()]).await, Ok(true))
             && let Ok(value) = self.store.get(&key).await
-            && let Ok(rec) = FailureRecord::decode(&value)
+            && let Ok(rec) = FailureRecord::decode(&value, self.world_size)
             && rec.origin != self.rank
         {
             let message = format!("(learned through the store) {}", rec.message);
-            self.input(|st, t| st.group.handle_remote_error(t, rec.origin, rec.culprit, message));
+            self.input(|st, t| st.group.handle_remote_error(t, rec.origin, rec.blame, message));
             return;
         }
         if self.opts.desync_debug
@@ -1558,6 +1565,22 @@ async fn watchdog<D: Device>(weak: Weak<Inner<D>>, wake: Arc<Notify>, stalled: A
 
 /// How long a thread in blocking-wait mode sleeps between two looks at the device.
 const BLOCKING_WAIT_POLL: Duration = Duration::from_micros(200);
+
+/// The SIGTERM report (see `crate::tcp::sigterm`): the oldest unfinished work, without whom it
+/// waits for (NCCL does not say), and a dump when a dump prefix is set.
+impl<D: Device> crate::tcp::sigterm::Report for Inner<D> {
+    fn sigterm_line(&self, now: Instant) -> String {
+        use crate::tcp::sigterm;
+        let Some(st) = sigterm::lock_within(&self.state, sigterm::LOCK_WAIT) else {
+            return sigterm::busy(self.rank, self.group_id);
+        };
+        let line = sigterm::describe(&st.group, now);
+        let json = self.opts.dump_prefix.as_ref().map(|prefix| (prefix, st.group.dump().to_json()));
+        drop(st);
+        let dumped = json.map(|(prefix, json)| sigterm::dump_file(prefix, self.rank, &json, "SIGTERM"));
+        sigterm::with_dump(line, dumped)
+    }
+}
 
 /// Blocking-wait mode ([`NcclOptions::blocking_wait`]): a thread in `Work::wait` does the
 /// watchdog's device pass itself until its work ends.

@@ -255,6 +255,7 @@ impl ProcessGroup {
         }
         inner.tasks.lock().unwrap_or_else(|p| p.into_inner()).extend(tasks);
         inner.timer.notify_one();
+        super::sigterm::register(Arc::downgrade(&inner) as std::sync::Weak<dyn super::sigterm::Report>);
         Ok(ProcessGroup::from_inner(inner))
     }
 }
@@ -405,10 +406,10 @@ fn inner_notified(inner: &Arc<Inner>) -> impl std::future::Future<Output = ()> +
 
 /// Learn of failures published through the store by ranks this one may not hear from.
 async fn watch_store_errors(weak: std::sync::Weak<Inner>) {
-    let (store, key, interval) = {
+    let (store, key, interval, world_size) = {
         let Some(inner) = weak.upgrade() else { return };
         let interval = inner.opts.heartbeat.map_or(Duration::from_secs(1), |h| h.interval);
-        (inner.store.clone(), error_key(inner.group_id), interval)
+        (inner.store.clone(), error_key(inner.group_id), interval, inner.world_size)
     };
     loop {
         tokio::time::sleep(interval).await;
@@ -421,13 +422,13 @@ async fn watch_store_errors(weak: std::sync::Weak<Inner>) {
             continue;
         }
         let Ok(value) = store.get(&key).await else { continue };
-        let Ok(FailureRecord { origin, culprit, message }) = FailureRecord::decode(&value) else { continue };
+        let Ok(FailureRecord { origin, blame, message }) = FailureRecord::decode(&value, world_size) else { continue };
         let Some(inner) = weak.upgrade() else { return };
         if origin == inner.rank {
             return;
         }
         let message = format!("(learned through the store) {message}");
-        inner.input(|st, fx| st.handle_remote_error(now(), origin, culprit, message, fx));
+        inner.input(|st, fx| st.handle_remote_error(now(), origin, blame, message, fx));
         return;
     }
 }

@@ -356,7 +356,7 @@ impl<D: Device> Inner<D> {
                          stream did not reach the call",
                         timeout.as_millis()
                     ),
-                    culprit: Some(me),
+                    blame: cohort_core::Blame::rank(me),
                 });
             }
             tokio::time::sleep(POLL_INTERVAL).await;
@@ -365,7 +365,7 @@ impl<D: Device> Inner<D> {
 
     fn device_error(&self, e: &NcclError) -> WorkResult {
         let me = self.pg.rank();
-        WorkResult::CommError { rank: Some(me), message: format!("rank {me}: device error: {e}") }
+        WorkResult::CommError { blame: cohort_core::Blame::rank(me), message: format!("rank {me}: device error: {e}") }
     }
 }
 
@@ -419,7 +419,7 @@ impl<D: Device> Job<D> {
         let want: Vec<usize> = outputs.iter().map(DeviceTensor::nbytes).collect();
         if got != want {
             return Err(WorkResult::CommError {
-                rank: None,
+                blame: cohort_core::Blame::nobody(),
                 message: format!("{op}: the host collective returned {got:?} bytes, the outputs hold {want:?}"),
             });
         }
@@ -475,10 +475,10 @@ fn refused(e: SubmitError) -> WorkResult {
     match e {
         SubmitError::Aborted { cause } => WorkResult::Aborted { reason: cause },
         SubmitError::GroupFailed { cause } => WorkResult::CommError {
-            rank: cause.culprit,
+            blame: cause.blame,
             message: format!("process group failed earlier: {}", cause.message),
         },
-        e => WorkResult::CommError { rank: None, message: e.to_string() },
+        e => WorkResult::CommError { blame: cohort_core::Blame::nobody(), message: e.to_string() },
     }
 }
 
@@ -487,7 +487,10 @@ fn host_tensors(staged: Vec<Staged>) -> Result<Vec<Tensor>, WorkResult> {
         .into_iter()
         .map(|s| Tensor::from_bytes(s.dtype, &s.shape, &s.host.to_vec()))
         .collect::<Result<_, _>>()
-        .map_err(|e| WorkResult::CommError { rank: None, message: format!("staging the inputs on the host: {e}") })
+        .map_err(|e| WorkResult::CommError {
+            blame: cohort_core::Blame::nobody(),
+            message: format!("staging the inputs on the host: {e}"),
+        })
 }
 
 /// The one host tensor of a collective with one input.
@@ -770,10 +773,10 @@ mod tests {
             let work = r.dpg.allreduce(std::slice::from_ref(&t), ReduceOp::Sum, &r.stream).unwrap();
             let err = tokio::time::timeout(Duration::from_secs(3), work.clone()).await.expect("no hang").unwrap_err();
             assert_eq!(work.state(), WorkState::TimedOut, "{err}");
-            let WorkError::Failed { result: WorkResult::Timeout { message, culprit }, .. } = &err else {
+            let WorkError::Failed { result: WorkResult::Timeout { message, blame }, .. } = &err else {
                 panic!("not the host collective's timeout: {err}")
             };
-            assert_eq!(*culprit, Some(Rank(1)), "{message}");
+            assert_eq!(*blame, cohort_core::Blame::rank(Rank(1)), "{message}");
             let failure = r.dpg.process_group().failure().expect("the timeout failed the group");
             assert_eq!(message, &failure.message, "the device work carries the host collective's error");
             assert_eq!(r.read(&t).await, [1.0, 2.0], "nothing is copied back after a failure");

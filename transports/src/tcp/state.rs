@@ -11,11 +11,11 @@ use std::time::Instant;
 
 use bytes::Bytes;
 use cohort_core::group::{Collective, Completion, ControlMsg, Event, GroupState, Launch, SubmitError, WorkSummary};
-use cohort_core::protocol::{Fingerprint, FrameHeader, FrameKind, decode_message, truncate_message};
+use cohort_core::protocol::{Fingerprint, FrameHeader, FrameKind, decode_control, encode_control};
 use cohort_core::schedule::PlanCache;
 use cohort_core::seqmap::SeqMap;
 use cohort_core::tensor::Tensor;
-use cohort_core::work::{GroupId, Rank, SeqNo, WorkId};
+use cohort_core::work::{Blame, GroupId, Rank, SeqNo, WorkId};
 
 use super::collective::CollectiveRun;
 use super::link::{Corks, LaneRx, LaneTx, Lanes, Outbound, SendMode, Sent};
@@ -81,7 +81,7 @@ pub(crate) struct Effects {
     /// Works to finish.
     pub(crate) finished: Finished,
     /// The group failed (origin, culprit, message): publish it, dump the recorder.
-    pub(crate) failed: Option<(Rank, Option<Rank>, String)>,
+    pub(crate) failed: Option<(Rank, Blame, String)>,
     /// Tear the process down after dumping (error-handling modes 1 and 3).
     pub(crate) tear_down: Option<String>,
     /// The timer may need an earlier wake-up.
@@ -322,29 +322,14 @@ impl DriverState {
         match header.kind {
             FrameKind::Data => self.handle_data(now, from, header.seq, header.step, header.tag, payload),
             FrameKind::P2p => self.handle_p2p(now, from, header.tag, payload),
-            FrameKind::Heartbeat => self.group.handle_message(now, from, ControlMsg::Heartbeat),
-            FrameKind::Error => {
-                let message =
-                    decode_message(FrameKind::Error, &payload).unwrap_or("(error message was not UTF-8)").to_owned();
-                // The culprit travels in the tag: rank + 1, or 0 when unknown.
-                let culprit = header.tag.checked_sub(1).map(Rank);
-                self.group.handle_message(now, from, ControlMsg::Error { culprit, message });
-            }
-            FrameKind::Abort => {
-                let reason = decode_message(FrameKind::Abort, &payload).unwrap_or("(reason was not UTF-8)").to_owned();
-                self.group.handle_message(now, from, ControlMsg::Abort { reason });
-            }
-            FrameKind::Stuck => {
-                // A list of u32 ranks; a malformed one is ignored (it only refines diagnosis).
-                if payload.len().is_multiple_of(4) && payload.len() / 4 <= self.writers.len() {
-                    let waiting_on =
-                        payload.chunks_exact(4).map(|c| Rank(u32::from_le_bytes([c[0], c[1], c[2], c[3]]))).collect();
-                    self.group.handle_message(now, from, ControlMsg::Stuck { seq: header.seq, waiting_on });
-                } else {
-                    tracing::warn!(%from, len = payload.len(), "ignoring a malformed stuck note");
-                }
-            }
             FrameKind::Goodbye => {}
+            kind => match decode_control(kind, header.seq, &payload, self.writers.len() as u32) {
+                Ok(Some(msg)) => self.group.handle_message(now, from, msg),
+                Ok(None) => {}
+                // A peer's malformed control frame is reported, not obeyed: the connection
+                // stays up and its heartbeats still count.
+                Err(e) => tracing::warn!(%from, "ignoring a control frame: {e}"),
+            },
         }
         self.drain(now, effects);
     }
@@ -518,11 +503,11 @@ impl DriverState {
         &mut self,
         now: Instant,
         origin: Rank,
-        culprit: Option<Rank>,
+        blame: Blame,
         message: String,
         effects: &mut Effects,
     ) {
-        self.group.handle_remote_error(now, origin, culprit, message);
+        self.group.handle_remote_error(now, origin, blame, message);
         self.drain(now, effects);
     }
 
@@ -609,12 +594,20 @@ impl DriverState {
             let message =
                 format!("desync at seq {}: rank {from} is running {theirs} while this rank runs {mine}", run.seq());
             self.pool.give(payload);
-            self.group.handle_completion(now, id, Completion::Failed { rank: Some(from), message });
+            self.group.handle_completion(now, id, Completion::Mismatch { rank: from, message });
             return;
         }
         let result = run.handle_recv(from, step, &payload);
         self.pool.give(payload);
-        self.after_step(now, id, result);
+        match result {
+            // A part that does not fit the plan (another size, step or chunk): the core asks
+            // every rank what it runs before blaming anyone.
+            Err(e) => {
+                let message = format!("rank {from}'s part does not fit this rank's collective: {e}");
+                self.group.handle_completion(now, id, Completion::Mismatch { rank: from, message });
+            }
+            Ok(()) => self.after_step(now, id, Ok(())),
+        }
     }
 
     /// After an input to a running collective: send what it wants sent, then see where it is.
@@ -714,24 +707,11 @@ impl DriverState {
                 progressed = true;
                 let (header, payload) = match t.msg {
                     ControlMsg::Heartbeat => (FrameHeader::heartbeat(self.me), Bytes::new()),
-                    ControlMsg::Error { culprit, message } => {
-                        let text = Bytes::copy_from_slice(truncate_message(&message).as_bytes());
-                        let mut h = FrameHeader::data(self.gid, SeqNo(0), 0, self.me, text.len() as u64);
-                        h.kind = FrameKind::Error;
-                        h.tag = culprit.map_or(0, |r| r.0 + 1);
-                        (h, text)
-                    }
-                    ControlMsg::Abort { reason } => {
-                        let text = Bytes::copy_from_slice(truncate_message(&reason).as_bytes());
-                        let mut h = FrameHeader::data(self.gid, SeqNo(0), 0, self.me, text.len() as u64);
-                        h.kind = FrameKind::Abort;
-                        (h, text)
-                    }
-                    ControlMsg::Stuck { seq, waiting_on } => {
-                        let list: Vec<u8> = waiting_on.iter().flat_map(|r| r.0.to_le_bytes()).collect();
-                        let mut h = FrameHeader::data(self.gid, seq, 0, self.me, list.len() as u64);
-                        h.kind = FrameKind::Stuck;
-                        (h, Bytes::from(list))
+                    msg => {
+                        let f = encode_control(&msg);
+                        let mut h = FrameHeader::data(self.gid, f.seq, 0, self.me, f.payload.len() as u64);
+                        h.kind = f.kind;
+                        (h, Bytes::from(f.payload))
                     }
                 };
                 send(&self.writers, t.to, Outbound::new(header, payload, None));
@@ -850,12 +830,12 @@ impl DriverState {
                 tracing::warn!(%rank, %reason, "peer lost");
             }
             Event::GroupFailed(failure) => {
-                tracing::error!(origin = %failure.origin, culprit = ?failure.culprit, "process group failed: {}", failure.message);
-                effects.failed = Some((failure.origin, failure.culprit, failure.message));
+                tracing::error!(origin = %failure.origin, blame = %failure.blame, "process group failed: {}", failure.message);
+                effects.failed = Some((failure.origin, failure.blame, failure.message));
             }
             Event::GroupAborted { reason } => {
                 tracing::warn!(%reason, "process group aborted");
-                effects.failed.get_or_insert((self.me, None, reason));
+                effects.failed.get_or_insert((self.me, Blame::nobody(), reason));
             }
             Event::TearDown { cause } => effects.tear_down = Some(cause),
             _ => {}
