@@ -1,0 +1,38 @@
+#!/usr/bin/env bash
+# The Python package's tests (python/tests): cohort as a torch.distributed backend.
+#
+# From a clean clone: makes a venv under target/ (reused when present), installs CPU-capable
+# torch 2.15 from PyPI, maturin and pytest into it, builds and installs ./python, and runs
+# pytest. Exits non-zero on any failure. The first run downloads torch (a few GB) and builds the
+# extension in release mode (about 2 minutes on 2 cores); later runs rebuild only what changed.
+#
+# Environment: PYTHON (the interpreter to make the venv with, default python3), COHORT_VENV
+# (default target/python-venv), PYTEST_ARGS (extra pytest arguments).
+set -euo pipefail
+
+root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+cd "$root"
+venv="${COHORT_VENV:-$root/target/python-venv}"
+python="${PYTHON:-python3}"
+
+if [ ! -x "$venv/bin/python" ]; then
+    echo "python-tests: creating $venv"
+    "$python" -m venv "$venv"
+fi
+export PATH="$venv/bin:$PATH"
+export VIRTUAL_ENV="$venv"
+
+if ! python -c 'import torch, maturin, pytest' 2>/dev/null; then
+    echo "python-tests: installing torch 2.15, maturin, pytest (the first time takes a few minutes)"
+    python -m pip install --quiet --upgrade pip
+    python -m pip install --quiet "torch>=2.15,<2.16" "maturin>=1.16,<1.17" "pytest>=8" numpy
+fi
+
+echo "python-tests: building and installing ./python"
+python -m pip install --quiet --no-build-isolation --force-reinstall --no-deps ./python
+
+# Run from python/tests so that `import cohort_torch` finds the installed package, not the
+# source folder (which has no compiled extension).
+cd "$root/python/tests"
+# shellcheck disable=SC2086
+python -m pytest -q -p no:cacheprovider ${PYTEST_ARGS:-} .
