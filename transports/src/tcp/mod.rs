@@ -13,6 +13,12 @@
 //!
 //! Everything goes through [`Net`](crate::net::Net) and `tokio::time`, so the same code runs on
 //! real sockets and inside the turmoil simulator.
+//!
+//! A rank process SIGTERMed (as `cohort launch` does after `--grace`) first prints, for each of
+//! its live groups, the oldest unfinished work and whom it waited for, and dumps the flight
+//! recorder when `COHORT_DUMP_ON_FAILURE` is set; it then dies of SIGTERM as before. The first
+//! group (TCP or NCCL) installs this once per process; `COHORT_SIGTERM_REPORT=0` turns it off.
+//! See `sigterm.rs`.
 
 mod collective;
 mod connect;
@@ -22,6 +28,7 @@ mod lazy;
 mod link;
 mod monitored;
 mod options;
+pub(crate) mod sigterm;
 mod socket;
 mod sparse;
 mod split;
@@ -34,7 +41,7 @@ use std::time::Instant;
 use cohort_core::group::{Collective, SubmitError, TensorSpec};
 use cohort_core::reduce::ReduceOp;
 use cohort_core::tensor::Tensor;
-use cohort_core::work::{GroupId, OpType, Rank};
+use cohort_core::work::{Blame, GroupId, OpType, Rank};
 use tokio::sync::Notify;
 use tokio::task::JoinHandle;
 
@@ -246,11 +253,10 @@ impl Inner {
     /// On a wait's `first` look, with one peer, it reads the connection that carries small
     /// frames without asking `poll(2)` which have bytes: in a run of small works what it waits
     /// for has usually arrived already, and the `poll` would be a third system call per work
-    /// besides the write and the read (`strace -c -f`, 5,000 4-byte allreduces over 2 ranks:
-    /// 10,258 `poll` calls before, 862 after; every iteration's time pooled over 16
-    /// alternations, median 0.91 of before). With several peers one `poll` costs less than a
-    /// read of each, most of them empty (not measured). Later looks ask `poll` first, so that a
-    /// thread spinning on an empty socket does not contend with the peer's packets for its lock.
+    /// besides the write and the read. With several peers it asks `poll` at once: one `poll`
+    /// costs less than a read of each peer, most of them empty. Later looks ask `poll` first,
+    /// so that a thread spinning on an empty socket does not contend with the peer's packets
+    /// for its lock.
     pub(crate) fn progress(self: &Arc<Self>, first: bool) -> Option<bool> {
         if self.unwritten.load(std::sync::atomic::Ordering::Relaxed) > 0 {
             return None;
@@ -322,8 +328,8 @@ impl Inner {
         }
         // Dump before the works complete: a caller that sees the error and exits at once still
         // leaves its flight recorder on disk.
-        if let Some((origin, culprit, message)) = effects.failed {
-            self.on_failure(origin, culprit, message);
+        if let Some((origin, blame, message)) = effects.failed {
+            self.on_failure(origin, blame, message);
         }
         effects.finished.complete();
         if let Some(cause) = effects.tear_down {
@@ -336,12 +342,12 @@ impl Inner {
 
     /// The group failed or was aborted: dump the recorder, publish the cause through the store
     /// (first writer wins) so ranks that never saw the failure learn its origin, close links.
-    fn on_failure(self: &Arc<Self>, origin: Rank, culprit: Option<Rank>, message: String) {
+    fn on_failure(self: &Arc<Self>, origin: Rank, blame: Blame, message: String) {
         self.dump_recorder("failure");
         self.lock().close_links();
         let store = self.store.clone();
         let key = connect::error_key(self.group_id);
-        let value = cohort_core::protocol::FailureRecord { origin, culprit, message }.encode();
+        let value = cohort_core::protocol::FailureRecord { origin, blame, message }.encode();
         self.runtime.spawn(async move {
             if let Err(e) = store.compare_set(&key, b"", &value).await {
                 tracing::warn!("could not publish the failure through the store: {e}");
@@ -350,13 +356,18 @@ impl Inner {
     }
 
     fn dump_recorder(&self, why: &str) {
-        let Some(prefix) = &self.opts.dump_prefix else { return };
-        let json = self.lock().dump_json();
-        let path = format!("{}{}.json", prefix.display(), self.rank);
-        match std::fs::write(&path, json) {
-            Ok(()) => tracing::warn!(%path, "flight recorder dumped on {why}"),
-            Err(e) => tracing::error!(%path, "could not dump the flight recorder: {e}"),
+        if self.opts.dump_prefix.is_none() {
+            return;
         }
+        let json = self.lock().dump_json();
+        self.write_dump(json, why);
+    }
+
+    /// Write a flight-recorder dump to `<dump prefix><rank>.json`: `None` without a dump
+    /// prefix, else the path written or why it was not.
+    fn write_dump(&self, json: String, why: &str) -> Option<Result<String, String>> {
+        let prefix = self.opts.dump_prefix.as_ref()?;
+        Some(sigterm::dump_file(prefix, self.rank, &json, why))
     }
 }
 
