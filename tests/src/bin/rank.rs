@@ -45,6 +45,7 @@ fn main() -> ExitCode {
         "skip-collective" => skip_collective(&pg),
         "monitored-barrier" => monitored_barrier(&pg),
         "store-gone" => store_gone(&pg),
+        "netns-loop" => netns_loop(&pg),
         other => Err(format!("unknown scenario {other:?}")),
     };
     match result {
@@ -305,4 +306,60 @@ fn nccl_emu() -> Result<(), String> {
         }
     }
     outcome
+}
+
+/// One allreduce of `rank + 1`: `None` when it completed, or how it failed (the blame, and the
+/// text: the work's error, or the refusal of a group that had already failed).
+fn blamed_allreduce(pg: &ProcessGroup) -> Result<Option<(&'static str, cohort_core::Blame, String)>, String> {
+    use cohort_core::SubmitError;
+    let t = Tensor::from_slice(&[pg.rank().0 as f32 + 1.0; 64]);
+    let work = match pg.allreduce(vec![t], ReduceOp::Sum) {
+        Ok(work) => work,
+        Err(e @ SubmitError::GroupFailed { .. }) => {
+            let SubmitError::GroupFailed { cause } = &e else { unreachable!() };
+            let blame = cause.blame.clone();
+            return Ok(Some(("submit", blame.clone(), format!("{e}; blame: {blame}"))));
+        }
+        Err(e) => return Err(e.to_string()),
+    };
+    match work.wait() {
+        Ok(()) => Ok(None),
+        Err(e) => Ok(Some(("work", e.blame(), e.to_string()))),
+    }
+}
+
+/// For the network-namespace test: allreduce in a loop until the file `COHORT_TEST_GO` exists
+/// (the test cuts the network first), then once more (an allreduce that needs a rank across
+/// the cut); the first failure is printed as
+/// `netns-error via=<work|submit> blame=<Blame::encode> :: <error text>`. The rank then stays
+/// `COHORT_TEST_LINGER_MS` (default 2000) so that its exit does not reach a peer before the
+/// peer has failed on its own.
+fn netns_loop(pg: &ProcessGroup) -> Result<(), String> {
+    checked_allreduce(pg)?;
+    println!("ready");
+    let go = std::env::var("COHORT_TEST_GO").map_err(|_| "COHORT_TEST_GO is not set".to_string())?;
+    let linger = std::env::var("COHORT_TEST_LINGER_MS").ok().and_then(|v| v.parse().ok()).unwrap_or(2000);
+    let deadline = std::time::Instant::now() + Duration::from_secs(60);
+    let mut completed = 1u64;
+    let mut last_try = false;
+    let failure = loop {
+        if std::time::Instant::now() > deadline {
+            return Err(format!("no failure within 60 s ({completed} allreduces completed)"));
+        }
+        if let Some(f) = blamed_allreduce(pg)? {
+            break f;
+        }
+        if last_try {
+            return Err(format!("the allreduce after the cut completed ({completed} allreduces completed)"));
+        }
+        completed += 1;
+        last_try = std::path::Path::new(&go).exists();
+        if !last_try {
+            std::thread::sleep(Duration::from_millis(2));
+        }
+    };
+    let (via, blame, text) = failure;
+    println!("netns-error via={via} blame={} after={completed} :: {text}", blame.encode());
+    std::thread::sleep(Duration::from_millis(linger));
+    Ok(())
 }
