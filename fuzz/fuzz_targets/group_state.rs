@@ -171,7 +171,14 @@ fuzz_target!(|case: Case| {
     }
     assert_eq!(finished, submitted, "every submitted work ended exactly once");
     let dump = g.dump();
-    let recorded: Vec<_> = dump.entries.iter().map(|e| (e.op_id, e.cohort_state)).collect();
+    // Collectives refused after the group failed are recorded too (failed at once): leave them
+    // out here, and check that each carries the group's blame.
+    let refused = |e: &&cohort_core::recorder::DumpEntry| {
+        e.cohort_error.as_deref().is_some_and(|m| m.contains("refused: the group had failed"))
+    };
+    assert!(dump.entries.iter().filter(refused).all(|e| e.cohort_blame.is_some()));
+    let recorded: Vec<_> =
+        dump.entries.iter().filter(|e| !refused(e)).map(|e| (e.op_id, e.cohort_state)).collect();
     let tail = recorded.len().min(submitted.len());
     let expected: Vec<_> = submitted.iter().zip(&outcomes).map(|(id, s)| (id.0, Some(*s))).collect();
     // The ring keeps the newest entries (2000 by default: all of them here).
