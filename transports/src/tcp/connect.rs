@@ -3,7 +3,8 @@
 //!
 //! Every rank listens, publishes `cohort/pg<G>/addr/<rank>` = `ip:port`, then dials every lower
 //! rank and accepts every higher one. On each connection both sides write their
-//! [`Handshake`], read the other's, check it and answer with a [`HandshakeReply`], so both
+//! [`Handshake`](cohort_core::protocol::Handshake), read the other's, check it and answer with a
+//! [`HandshakeReply`](cohort_core::protocol::HandshakeReply), so both
 //! learn why a connection was refused (wrong world size, wrong group, duplicate rank…).
 //! Each pair opens two sets of `connections_per_peer` connections, one per direction of bulk
 //! data (each handshake carries its index, in `0..2 × connections_per_peer`): the lower rank
@@ -13,6 +14,9 @@
 //! socket they contend for its lock), while small frames both ways keep sharing one, where each
 //! side's data carries its acknowledgements. With `lazy_connect`, init only waits for every
 //! rank's address and the mesh is built on first use (see `lazy`).
+//!
+//! The handshake, the store keys and the init error live in [`super::rendezvous`], and serving
+//! a connection in [`super::attach`]; both are shared with the lazy mesh and splits.
 
 use std::collections::BTreeMap;
 use std::net::SocketAddr;
@@ -20,94 +24,22 @@ use std::sync::{Arc, Mutex, RwLock};
 use std::time::Duration;
 
 use cohort_core::group::{GroupConfig, GroupState};
-use cohort_core::protocol::{
-    FailureRecord, FrameLimits, HANDSHAKE_LEN, Handshake, HandshakeError, HandshakeExpectation, HandshakeReply,
-    REPLY_PREFIX_LEN, ReplyPrefix,
-};
+use cohort_core::protocol::{FailureRecord, HandshakeExpectation};
 use cohort_core::recorder::RecorderConfig;
 use cohort_core::work::{GroupId, Rank};
-use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
-use tokio::sync::{Notify, mpsc};
+use tokio::sync::Notify;
 
+use super::attach::attach;
 use super::link;
 use super::options::TcpOptions;
-use super::socket;
-use super::state::{DriverState, Effects};
+use super::rendezvous::{
+    Accepted, HandshakeFailure, InitError, accepted_handshake, addr_key, dial_one, error_key, is_misconfigured_rank,
+};
+use super::state::DriverState;
+use super::tunables::{HANDSHAKE_TIMEOUT, STORE_ERROR_POLL};
 use super::{Inner, ProcessGroup, now};
 use crate::net::{Listener, Net};
 use crate::store::{Store, StoreError};
-
-/// Why a group could not be created.
-#[derive(Debug, thiserror::Error)]
-#[non_exhaustive]
-pub enum InitError {
-    /// Rank or world size out of range.
-    #[error("invalid rank {rank} for world size {world_size}")]
-    BadRank {
-        /// The rank.
-        rank: u32,
-        /// The world size.
-        world_size: u32,
-    },
-    /// The environment is incomplete or malformed.
-    #[error("{0}")]
-    Env(String),
-    /// The store failed.
-    #[error("store error during rendezvous: {0}")]
-    Store(#[from] StoreError),
-    /// Could not listen.
-    #[error("cannot listen on {addr}: {source}")]
-    Bind {
-        /// The address.
-        addr: SocketAddr,
-        /// The error.
-        source: std::io::Error,
-    },
-    /// Not every rank arrived before the init timeout.
-    #[error("timed out after {} ms waiting for ranks: {joined}/{world_size} ranks joined; missing: {missing:?}", timeout.as_millis())]
-    Missing {
-        /// Ranks that published their address.
-        joined: u32,
-        /// The world size.
-        world_size: u32,
-        /// Ranks that did not.
-        missing: Vec<u32>,
-        /// The init timeout.
-        timeout: Duration,
-    },
-    /// A peer published its address but could not be reached.
-    #[error("cannot connect to rank {rank} at {addr} within {} ms: {reason}", timeout.as_millis())]
-    Unreachable {
-        /// The peer.
-        rank: u32,
-        /// Its address.
-        addr: String,
-        /// The last error.
-        reason: String,
-        /// The init timeout.
-        timeout: Duration,
-    },
-    /// A handshake failed.
-    #[error("handshake with {peer} failed: {source}")]
-    Handshake {
-        /// Who: "rank 2" or the remote address.
-        peer: String,
-        /// Why.
-        source: HandshakeError,
-    },
-}
-
-pub(crate) fn group_prefix(gid: GroupId) -> String {
-    format!("cohort/pg{gid}/")
-}
-
-pub(crate) fn error_key(gid: GroupId) -> String {
-    format!("{}error", group_prefix(gid))
-}
-
-pub(crate) fn addr_key(gid: GroupId, rank: u32) -> String {
-    format!("{}addr/{rank}", group_prefix(gid))
-}
 
 impl ProcessGroup {
     /// Connect rank `rank` of a `world_size`-rank group through `store` (group 0, the default
@@ -136,11 +68,11 @@ impl ProcessGroup {
             return Err(InitError::BadRank { rank, world_size });
         }
         if !(1..=super::MAX_CONNECTIONS_PER_PEER).contains(&opts.connections_per_peer) {
-            return Err(InitError::Env(format!(
-                "connections_per_peer is {}, expected 1 to {}",
-                opts.connections_per_peer,
-                super::MAX_CONNECTIONS_PER_PEER
-            )));
+            return Err(InitError::InvalidOption {
+                option: "connections_per_peer",
+                value: opts.connections_per_peer.to_string(),
+                expected: format!("1 to {}", super::MAX_CONNECTIONS_PER_PEER),
+            });
         }
         let me = Rank(rank);
         let k = opts.connections_per_peer;
@@ -260,113 +192,6 @@ impl ProcessGroup {
     }
 }
 
-/// Serve one connection to `peer`: a writer task writes what `rx` queues (and says goodbye when
-/// the driver closes it), a reader task feeds what arrives to the driver through the peer's
-/// close tally. The caller has counted the connection in the tally. A real TCP socket takes
-/// the fast path (see [`super::socket`]). `index`: the connection's place in the peer's set
-/// (connection 0 carries the small frames of both directions).
-pub(crate) fn attach<S>(inner: &Arc<Inner>, peer: Rank, stream: S, rx: link::LaneRx, index: usize)
-where
-    S: AsyncRead + AsyncWrite + Send + 'static,
-{
-    let mut slot = Some(stream);
-    if let Some(tcp) = (&mut slot as &mut dyn std::any::Any).downcast_mut::<Option<tokio::net::TcpStream>>()
-        && let Some(tcp) = tcp.take()
-    {
-        let taken = {
-            let _runtime = inner.runtime.enter();
-            socket::take(tcp)
-        };
-        match taken {
-            Ok(fast) => attach_fast(inner, peer, fast, rx, index == 0),
-            Err((e, Some(tcp))) => {
-                tracing::debug!(%peer, "no fast path for this connection ({e})");
-                attach_generic(inner, peer, tcp, rx);
-            }
-            Err((e, None)) => {
-                let Some(tally) = inner.tallies.get(peer.index()) else { return };
-                let closed = link::Inbound::Closed {
-                    from: peer,
-                    reason: format!("could not take the socket: {e}"),
-                    clean: false,
-                };
-                if tally.pass(&closed) {
-                    inner.input(|st, fx| deliver(st, fx, closed));
-                }
-            }
-        }
-        return;
-    }
-    if let Some(stream) = slot {
-        attach_generic(inner, peer, stream, rx);
-    }
-}
-
-fn attach_generic<S>(inner: &Arc<Inner>, peer: Rank, stream: S, rx: link::LaneRx)
-where
-    S: AsyncRead + AsyncWrite + Send + 'static,
-{
-    let (r, w) = tokio::io::split(stream);
-    let limits = FrameLimits::new(inner.opts.max_frame);
-    let Some(tally) = inner.tallies.get(peer.index()).cloned() else { return };
-    let weak = Arc::downgrade(inner);
-    let pool = inner.lock().pool.clone();
-    let err_tx = spawn_error_relay(inner, tally.clone());
-    let writer = inner.runtime.spawn(link::run_writer(inner.rank, peer, w, rx, err_tx));
-    let reader = inner.runtime.spawn(async move {
-        link::run_reader(peer, r, limits, pool, |inbound| {
-            let Some(inner) = weak.upgrade() else { return false };
-            if tally.pass(&inbound) {
-                inner.input(|st, fx| deliver(st, fx, inbound));
-            }
-            true
-        })
-        .await
-    });
-    inner.writers.lock().unwrap_or_else(|p| p.into_inner()).push(writer);
-    inner.tasks.lock().unwrap_or_else(|p| p.into_inner()).push(reader);
-}
-
-fn attach_fast(inner: &Arc<Inner>, peer: Rank, fast: socket::FastSocket, rx: link::LaneRx, shared: bool) {
-    let Some(tally) = inner.tallies.get(peer.index()).cloned() else { return };
-    let fast = Arc::new(fast);
-    let limits = FrameLimits::new(inner.opts.max_frame);
-    let pool = inner.lock().pool.clone();
-    let asm = link::Assembler::new(peer, limits, pool);
-    let reader = Arc::new(socket::FastReader::new(fast.clone(), asm, tally.clone(), shared));
-    inner.readers.write().unwrap_or_else(|p| p.into_inner()).push(reader.clone());
-    rx.gate.open(fast.std());
-    let err_tx = spawn_error_relay(inner, tally);
-    let w = socket::SharedWrite(fast);
-    let writer = inner.runtime.spawn(link::run_writer(inner.rank, peer, w, rx, err_tx));
-    let reader = inner.runtime.spawn(socket::run_reader(reader, Arc::downgrade(inner), peer));
-    inner.writers.lock().unwrap_or_else(|p| p.into_inner()).push(writer);
-    inner.tasks.lock().unwrap_or_else(|p| p.into_inner()).push(reader);
-}
-
-/// A task that feeds a writer's failure to the driver through the peer's close tally.
-fn spawn_error_relay(inner: &Arc<Inner>, tally: Arc<link::CloseTally>) -> mpsc::UnboundedSender<link::Inbound> {
-    let weak = Arc::downgrade(inner);
-    let (err_tx, mut err_rx) = mpsc::unbounded_channel();
-    let errors = inner.runtime.spawn(async move {
-        while let Some(inbound) = err_rx.recv().await {
-            let Some(inner) = weak.upgrade() else { return };
-            if tally.pass(&inbound) {
-                inner.input(|st, fx| deliver(st, fx, inbound));
-            }
-        }
-    });
-    inner.tasks.lock().unwrap_or_else(|p| p.into_inner()).push(errors);
-    err_tx
-}
-
-pub(crate) fn deliver(st: &mut DriverState, fx: &mut Effects, inbound: link::Inbound) {
-    match inbound {
-        link::Inbound::Frame { from, header, payload } => st.handle_frame(now(), from, header, payload, fx),
-        link::Inbound::Closed { from, reason, clean } => st.handle_closed(now(), from, reason, clean, fx),
-    }
-}
-
 /// Sleep until the core's next deadline, fire it, repeat; woken early when a new input may
 /// have moved the deadline.
 async fn run_timer(weak: std::sync::Weak<Inner>) {
@@ -408,7 +233,7 @@ fn inner_notified(inner: &Arc<Inner>) -> impl std::future::Future<Output = ()> +
 async fn watch_store_errors(weak: std::sync::Weak<Inner>) {
     let (store, key, interval, world_size) = {
         let Some(inner) = weak.upgrade() else { return };
-        let interval = inner.opts.heartbeat.map_or(Duration::from_secs(1), |h| h.interval);
+        let interval = inner.opts.heartbeat.map_or(STORE_ERROR_POLL, |h| h.interval);
         (inner.store.clone(), error_key(inner.group_id), interval, inner.world_size)
     };
     loop {
@@ -571,111 +396,6 @@ async fn mesh<N: Net>(
     Ok(streams)
 }
 
-/// Dial connection `index` to `peer` at `addr`, retrying with backoff until `deadline`.
-#[allow(clippy::too_many_arguments)]
-pub(crate) async fn dial_one<N: Net>(
-    net: &N,
-    expect: &HandshakeExpectation,
-    peer: u32,
-    index: u16,
-    addr: SocketAddr,
-    text: &str,
-    deadline: tokio::time::Instant,
-    opts: &TcpOptions,
-) -> Result<N::Stream, InitError> {
-    let mut backoff = Duration::from_millis(5);
-    loop {
-        // One attempt (connect, then handshake), bounded by the init deadline: a peer behind
-        // a partition never answers, and must not hold init past its timeout.
-        let attempt = async {
-            match net.connect(&addr.ip().to_string(), addr.port()).await {
-                Ok(mut s) => match handshake_on(&mut s, expect, index).await {
-                    Ok(_) => Ok(s),
-                    Err(HandshakeFailure::Refused(e)) => Err(Err(e)),
-                    Err(e) => Err(Ok(e.to_string())),
-                },
-                Err(e) => Err(Ok(e.to_string())),
-            }
-        };
-        let err = match tokio::time::timeout_at(deadline, attempt).await {
-            Ok(Ok(s)) => return Ok(s),
-            Ok(Err(Err(e))) => return Err(InitError::Handshake { peer: format!("rank {peer}"), source: e }),
-            Ok(Err(Ok(e))) => e,
-            Err(_) => "no answer before the init timeout".to_owned(),
-        };
-        if tokio::time::Instant::now() + backoff >= deadline {
-            return Err(InitError::Unreachable {
-                rank: peer,
-                addr: text.to_owned(),
-                reason: err,
-                timeout: opts.init_timeout,
-            });
-        }
-        tokio::time::sleep(backoff).await;
-        backoff = (backoff * 2).min(Duration::from_millis(500));
-    }
-}
-
-/// An accepted connection after its handshake: the remote address, the stream, and the peer's
-/// rank and connection index (or why it was refused).
-pub(crate) type Accepted<S> = (SocketAddr, S, Result<(Rank, u16), HandshakeFailure>);
-
-/// How long an accepted connection may take to send its handshake.
-pub(crate) const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
-
-/// The accepting side's handshake on a fresh connection, bounded by `limit`, so that a
-/// connection that never speaks holds up nobody.
-pub(crate) async fn accepted_handshake<S: AsyncRead + AsyncWrite + Unpin>(
-    mut stream: S,
-    remote: SocketAddr,
-    expect: HandshakeExpectation,
-    limit: Duration,
-) -> Accepted<S> {
-    let result = match tokio::time::timeout(limit, handshake(&mut stream, &expect, None)).await {
-        Ok(r) => r,
-        Err(_) => Err(HandshakeFailure::Io(std::io::Error::new(
-            std::io::ErrorKind::TimedOut,
-            format!("no handshake within {} ms", limit.as_millis()),
-        ))),
-    };
-    (remote, stream, result)
-}
-
-/// Whether a refused handshake came from a rank of this job that is set up wrongly (which
-/// fails the rendezvous on both sides at once, rather than at the init timeout), as opposed
-/// to something that is not a rank of this group at all (dropped with a warning).
-pub(crate) fn is_misconfigured_rank(e: &HandshakeError) -> bool {
-    matches!(
-        e,
-        HandshakeError::WorldSizeMismatch { .. }
-            | HandshakeError::ConnectionsPerPeerMismatch { .. }
-            | HandshakeError::RankOutOfRange { .. }
-            | HandshakeError::RankIsSelf { .. }
-    )
-}
-
-/// How a handshake went wrong: the connection (worth retrying) or the peer's answer (not).
-#[derive(Debug)]
-pub(crate) enum HandshakeFailure {
-    Io(std::io::Error),
-    Refused(HandshakeError),
-}
-
-impl From<HandshakeError> for HandshakeFailure {
-    fn from(e: HandshakeError) -> Self {
-        HandshakeFailure::Refused(e)
-    }
-}
-
-impl std::fmt::Display for HandshakeFailure {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        match self {
-            HandshakeFailure::Io(e) => write!(f, "connection failed during the handshake: {e}"),
-            HandshakeFailure::Refused(e) => write!(f, "{e}"),
-        }
-    }
-}
-
 async fn missing(store: &dyn Store, gid: GroupId, world_size: u32, timeout: Duration) -> InitError {
     let mut missing = Vec::new();
     for r in 0..world_size {
@@ -684,44 +404,4 @@ async fn missing(store: &dyn Store, gid: GroupId, world_size: u32, timeout: Dura
         }
     }
     InitError::Missing { joined: world_size - missing.len() as u32, world_size, missing, timeout }
-}
-
-/// The accepting side of a handshake: answers with connection index 0 (the dialer's index is
-/// the one that counts); returns the peer's rank and connection index.
-async fn handshake<S: AsyncRead + AsyncWrite + Unpin>(
-    stream: &mut S,
-    expect: &HandshakeExpectation,
-    _dialed: Option<Rank>,
-) -> Result<(Rank, u16), HandshakeFailure> {
-    handshake_on(stream, expect, 0).await
-}
-
-/// Exchange and check handshakes on a fresh connection, sending connection index `index`;
-/// returns the peer's rank and the index it sent.
-async fn handshake_on<S: AsyncRead + AsyncWrite + Unpin>(
-    stream: &mut S,
-    expect: &HandshakeExpectation,
-    index: u16,
-) -> Result<(Rank, u16), HandshakeFailure> {
-    let io = HandshakeFailure::Io;
-    stream.write_all(&expect.handshake(index).encode()).await.map_err(io)?;
-    stream.flush().await.map_err(io)?;
-    let mut buf = [0u8; HANDSHAKE_LEN];
-    stream.read_exact(&mut buf).await.map_err(io)?;
-    let verdict = Handshake::decode(&buf).and_then(|hs| hs.check(expect).map(|()| (hs.rank, hs.connection)));
-    let reply = match &verdict {
-        Ok(_) => HandshakeReply::Accept,
-        Err(e) => HandshakeReply::reject(e),
-    };
-    stream.write_all(&reply.encode()).await.map_err(io)?;
-    stream.flush().await.map_err(io)?;
-    let mut prefix = [0u8; REPLY_PREFIX_LEN];
-    stream.read_exact(&mut prefix).await.map_err(io)?;
-    let prefix = ReplyPrefix::decode(&prefix)?;
-    let mut msg = vec![0u8; prefix.message_len()];
-    stream.read_exact(&mut msg).await.map_err(io)?;
-    let theirs = prefix.finish(&msg)?;
-    let rank = verdict?;
-    theirs.into_result()?;
-    Ok(rank)
 }

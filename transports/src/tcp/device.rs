@@ -4,7 +4,6 @@
 
 use std::fmt;
 use std::sync::{Arc, Mutex, MutexGuard};
-use std::time::Duration;
 
 use cohort_core::group::{Collective, SubmitError, TensorSpec};
 use cohort_core::reduce::ReduceOp;
@@ -13,11 +12,9 @@ use cohort_core::work::{OpType, Rank, WorkResult};
 use tokio::sync::oneshot;
 
 use super::ProcessGroup;
+use super::tunables::DEVICE_POLL_INTERVAL;
 use crate::nccl::{Device, DeviceTensor, HostBuffer, NcclError};
 use crate::work::Work;
-
-/// How often a device work looks whether its inputs have reached the host.
-const POLL_INTERVAL: Duration = Duration::from_micros(100);
 
 /// Why a [`DeviceProcessGroup`] refused a call. Nothing was submitted to the host group.
 #[derive(Debug, Clone, thiserror::Error)]
@@ -359,7 +356,7 @@ impl<D: Device> Inner<D> {
                     blame: cohort_core::Blame::rank(me),
                 });
             }
-            tokio::time::sleep(POLL_INTERVAL).await;
+            tokio::time::sleep(DEVICE_POLL_INTERVAL).await;
         }
     }
 
@@ -509,6 +506,7 @@ fn specs<D: Device>(ts: &[DeviceTensor<D>]) -> Vec<TensorSpec> {
 #[cfg(test)]
 mod tests {
     use std::future::Future;
+    use std::time::Duration;
 
     use cohort_core::work::{SeqNo, WorkState};
     use tokio::sync::Notify;

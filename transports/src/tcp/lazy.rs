@@ -14,8 +14,11 @@ use std::sync::{Arc, Weak};
 use cohort_core::protocol::HandshakeExpectation;
 use cohort_core::work::Rank;
 
-use super::connect::{self, Accepted, HANDSHAKE_TIMEOUT, HandshakeFailure};
+use super::attach::attach;
 use super::link::{Inbound, LaneRx};
+use super::rendezvous::{Accepted, HandshakeFailure, accepted_handshake, addr_key, dial_one, is_misconfigured_rank};
+use super::state::deliver;
+use super::tunables::{ACCEPT_RETRY, HANDSHAKE_TIMEOUT};
 use super::{Inner, now};
 use crate::net::{Listener, Net};
 
@@ -37,16 +40,15 @@ async fn dial<N: Net>(net: N, inner: Arc<Inner>, peer: Rank, lanes: Vec<LaneRx>)
         .with_connections_per_peer(k)
         .with_peer(peer);
     let deadline = tokio::time::Instant::now() + opts.init_timeout;
-    let key = connect::addr_key(inner.group_id, peer.0);
+    let key = addr_key(inner.group_id, peer.0);
     let result: Result<Vec<N::Stream>, String> = async {
         let value = inner.store.get(&key).await.map_err(|e| format!("cannot read its address from the store: {e}"))?;
         let text = String::from_utf8_lossy(&value).into_owned();
         let addr = text.parse().map_err(|_| format!("its published address {text:?} does not parse"))?;
         let mut streams = Vec::with_capacity(lanes.len());
         for index in 0..k {
-            let s = connect::dial_one(&net, &expect, peer.0, index, addr, &text, deadline, opts)
-                .await
-                .map_err(|e| e.to_string())?;
+            let s =
+                dial_one(&net, &expect, peer.0, index, addr, &text, deadline, opts).await.map_err(|e| e.to_string())?;
             streams.push(s);
         }
         Ok(streams)
@@ -59,7 +61,7 @@ async fn dial<N: Net>(net: N, inner: Arc<Inner>, peer: Rank, lanes: Vec<LaneRx>)
                 streams.iter().for_each(|_| tally.add());
             }
             for (index, (stream, rx)) in streams.into_iter().zip(lanes).enumerate() {
-                connect::attach(&inner, peer, stream, rx, index);
+                attach(&inner, peer, stream, rx, index);
             }
             inner.input(|st, fx| st.peer_connected(now(), peer, fx));
         }
@@ -67,7 +69,7 @@ async fn dial<N: Net>(net: N, inner: Arc<Inner>, peer: Rank, lanes: Vec<LaneRx>)
             let inbound =
                 Inbound::Closed { from: peer, reason: format!("cannot connect to rank {peer}: {e}"), clean: false };
             if tally.is_some_and(|t| t.pass(&inbound)) {
-                inner.input(|st, fx| connect::deliver(st, fx, inbound));
+                inner.input(|st, fx| deliver(st, fx, inbound));
             }
         }
     }
@@ -101,7 +103,7 @@ pub(crate) async fn serve_accepts<L: Listener>(listener: L, weak: Weak<Inner>, e
                             serve_set(&inner, peer, streams);
                         }
                     }
-                    Err(HandshakeFailure::Refused(e)) if connect::is_misconfigured_rank(&e) => {
+                    Err(HandshakeFailure::Refused(e)) if is_misconfigured_rank(&e) => {
                         tracing::error!(%remote, "refused a connection from a misconfigured rank: {e}");
                     }
                     Err(e) => tracing::warn!(%remote, "dropped a connection that is no rank of this group: {e}"),
@@ -109,11 +111,11 @@ pub(crate) async fn serve_accepts<L: Listener>(listener: L, weak: Weak<Inner>, e
             }
             accepted = listener.accept() => match accepted {
                 Ok((stream, remote)) => {
-                    pending.spawn(connect::accepted_handshake(stream, remote, expect, HANDSHAKE_TIMEOUT));
+                    pending.spawn(accepted_handshake(stream, remote, expect, HANDSHAKE_TIMEOUT));
                 }
                 Err(e) => {
                     tracing::warn!("accept failed: {e}");
-                    tokio::time::sleep(std::time::Duration::from_millis(10)).await;
+                    tokio::time::sleep(ACCEPT_RETRY).await;
                 }
             },
         }
@@ -133,7 +135,7 @@ where
             Some(rx) => rx,
             None => inner.lock().idle_writer(),
         };
-        connect::attach(inner, peer, stream, rx, index);
+        attach(inner, peer, stream, rx, index);
     }
     inner.timer.notify_one();
 }

@@ -20,6 +20,7 @@
 //! group (TCP or NCCL) installs this once per process; `COHORT_SIGTERM_REPORT=0` turns it off.
 //! See `sigterm.rs`.
 
+mod attach;
 mod collective;
 mod connect;
 mod device;
@@ -28,11 +29,13 @@ mod lazy;
 mod link;
 mod monitored;
 mod options;
+mod rendezvous;
 pub(crate) mod sigterm;
 mod socket;
 mod sparse;
 mod split;
 mod state;
+mod tunables;
 
 use std::fmt;
 use std::sync::{Arc, Mutex, MutexGuard, RwLock};
@@ -45,23 +48,23 @@ use cohort_core::work::{Blame, GroupId, OpType, Rank};
 use tokio::sync::Notify;
 use tokio::task::JoinHandle;
 
-pub use connect::InitError;
 pub use device::{DeviceProcessGroup, DeviceSubmitError};
 pub use init::{InitConfig, init_process_group, init_process_group_with};
 pub use monitored::{MONITORED_BARRIER_TAG, MonitoredBarrierError};
 pub use options::{
     BUSY_POLL_MAX_BYTES, EnvError, MAX_CONNECTIONS_PER_PEER, MAX_IO_THREADS, TcpOptions, resolve_bind_addr,
 };
-pub use sparse::SparseTensor;
+pub use rendezvous::InitError;
+pub use sparse::{SparseError, SparseTensor};
 pub use split::{Lineage, NEXT_GROUP_ID_KEY, SplitError};
 
 use self::collective::Request;
 use self::state::{DriverState, Effects, Payload};
+use self::tunables::MAX_POLL_FACTOR;
 use crate::store::Store;
 use crate::work::{CompletionHook, Work};
 
-/// How long a shutdown waits for queued frames to be written.
-pub const SHUTDOWN_FLUSH: std::time::Duration = std::time::Duration::from_secs(2);
+pub use tunables::SHUTDOWN_FLUSH;
 
 /// The backend name in flight-recorder profiling names (`tcp:all_reduce`).
 pub const BACKEND_NAME: &str = "tcp";
@@ -126,9 +129,6 @@ pub(crate) struct Polling {
     base: std::time::Duration,
     budget: std::time::Duration,
 }
-
-/// How far [`Polling`] may raise the time a waiting thread polls, over the setting.
-pub(crate) const MAX_POLL_FACTOR: u32 = 16;
 
 impl Polling {
     pub(crate) fn new(base: std::time::Duration) -> Self {
@@ -291,7 +291,7 @@ impl Inner {
     }
 
     /// Whether a reader task whose epoll set fired should leave it unarmed: while threads
-    /// poll, and for [`socket::REARM_GRACE`] after the last finished its work.
+    /// poll, and for [`tunables::REARM_GRACE`] after the last finished its work.
     pub(crate) fn rearm_in(&self) -> socket::Rearm {
         let p = self.polls();
         if p.relied_on() {
@@ -301,7 +301,7 @@ impl Inner {
             return socket::Rearm::WhilePolling;
         }
         let Some(last) = p.last_finished else { return socket::Rearm::Now };
-        match socket::REARM_GRACE.checked_sub(last.elapsed()).filter(|d| !d.is_zero()) {
+        match tunables::REARM_GRACE.checked_sub(last.elapsed()).filter(|d| !d.is_zero()) {
             Some(left) => socket::Rearm::After(left),
             None => socket::Rearm::Now,
         }
@@ -346,7 +346,7 @@ impl Inner {
         self.dump_recorder("failure");
         self.lock().close_links();
         let store = self.store.clone();
-        let key = connect::error_key(self.group_id);
+        let key = rendezvous::error_key(self.group_id);
         let value = cohort_core::protocol::FailureRecord { origin, blame, message }.encode();
         self.runtime.spawn(async move {
             if let Err(e) = store.compare_set(&key, b"", &value).await {
@@ -525,7 +525,7 @@ impl ProcessGroup {
             let deadline = std::time::Instant::now() + SHUTDOWN_FLUSH;
             let writers = std::mem::take(&mut *self.inner.writers.lock().unwrap_or_else(|p| p.into_inner()));
             while writers.iter().any(|w| !w.is_finished()) && std::time::Instant::now() < deadline {
-                std::thread::sleep(std::time::Duration::from_millis(1));
+                std::thread::sleep(tunables::SHUTDOWN_POLL);
             }
         }
         self.stop_tasks();

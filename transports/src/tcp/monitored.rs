@@ -9,6 +9,7 @@ use cohort_core::tensor::Tensor;
 use cohort_core::work::Rank;
 
 use super::ProcessGroup;
+use super::tunables::MONITORED_BARRIER_POLL;
 use crate::work::{Work, WorkError};
 
 /// The point-to-point tag `monitored_barrier` uses; user sends and receives should avoid it.
@@ -83,9 +84,6 @@ fn describe(e: &WorkError, timeout: Duration) -> String {
         other => other.to_string(),
     }
 }
-
-/// How often rank 0 looks at the tokens that arrived.
-const POLL: Duration = Duration::from_millis(2);
 
 /// How long is left until `deadline` (zero once past).
 fn left(deadline: tokio::time::Instant) -> Duration {
@@ -172,7 +170,7 @@ impl ProcessGroup {
             if !pending {
                 break;
             }
-            tokio::time::sleep(POLL.min(left(deadline)).max(Duration::from_micros(100))).await;
+            tokio::time::sleep(MONITORED_BARRIER_POLL.min(left(deadline)).max(Duration::from_micros(100))).await;
         }
         let acks = (1..world).map(|r| self.send(token(), r, MONITORED_BARRIER_TAG)).collect::<Result<Vec<_>, _>>()?;
         for (i, ack) in acks.iter().enumerate() {

@@ -30,25 +30,10 @@ use tokio::io::unix::AsyncFd;
 use tokio::io::{AsyncWrite, Interest};
 use tokio::net::TcpStream;
 
-use super::connect::deliver;
 use super::link::{Assembler, CloseTally, Inbound};
+use super::state::deliver;
+use super::tunables::{REARM_BACKOFF_MAX, REARM_GRACE};
 use super::{Deferred, Inner};
-
-/// How long a connection's reader task leaves reading to waiting threads after the last of
-/// them finished its work: a thread that waits again soon reads the next frame itself, and
-/// the frame wakes nobody. Frames that nobody waits for are read at the latest this much later
-/// (rounded up to the runtime's timer, a millisecond).
-pub(crate) const REARM_GRACE: Duration = Duration::from_millis(1);
-
-/// How long, at most, a reader task waits between looks while threads keep polling. Each look
-/// wakes the runtime's thread, which on a host with as many busy threads as cores takes the
-/// core of a polling thread (this rank's or its peer's), so the task waits twice as long after
-/// each look that finds a thread polling, from [`REARM_GRACE`] up to this; the first look
-/// that re-arms starts over. The price: once polling stops, the set may stay unarmed until the
-/// task's next look, so frames that nobody polls for then (a work submitted right after a run
-/// of polled ones and not waited for, a heartbeat) are read up to this much plus
-/// [`REARM_GRACE`] after the last polling thread finished.
-pub(crate) const REARM_BACKOFF_MAX: Duration = Duration::from_millis(8);
 
 /// What a reader task with an unarmed epoll set does next ([`Inner::rearm_in`]).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

@@ -18,8 +18,8 @@ use cohort_core::tensor::Tensor;
 use cohort_core::work::GroupId;
 
 use super::ProcessGroup;
-use super::connect::InitError;
 use super::options::TcpOptions;
+use super::rendezvous::InitError;
 use crate::net::Net;
 use crate::store::{Store, StoreError};
 
@@ -229,7 +229,7 @@ impl ProcessGroup {
         let sorted = check_ranks(ranks, me, self.world_size())?;
         let n = self.inner.split_counts.next(&sorted);
         let list = sorted.iter().map(u32::to_string).collect::<Vec<_>>().join(",");
-        let key = format!("{}split/{list}/{n}", super::connect::group_prefix(self.group_id()));
+        let key = format!("{}split/{list}/{n}", super::rendezvous::group_prefix(self.group_id()));
         let store = self.store();
         let leader = sorted[0];
         let gid = if me == leader {

@@ -18,7 +18,8 @@ use cohort_core::tensor::Tensor;
 use cohort_core::work::{Blame, GroupId, Rank, SeqNo, WorkId};
 
 use super::collective::CollectiveRun;
-use super::link::{Corks, LaneRx, LaneTx, Lanes, Outbound, SendMode, Sent};
+use super::link::{Corks, Inbound, LaneRx, LaneTx, Lanes, Outbound, SendMode, Sent};
+use super::tunables::SEND_WINDOW;
 use crate::work::{Work, WorkCompleter};
 
 /// What the user handed in with a work, and what it becomes.
@@ -53,11 +54,6 @@ struct Pending {
     /// are written.
     throttled: bool,
 }
-
-/// Frames of one collective queued for the writers and not yet written, at most: each is a
-/// copy of a chunk (up to half a MiB), so this bounds what a large collective holds in the
-/// queues (8 MiB) instead of copying all of its sends at once.
-const SEND_WINDOW: usize = 16;
 
 pub(crate) use super::link::OnWritten;
 
@@ -846,4 +842,12 @@ impl DriverState {
 /// Queue a frame for `to`; false if the link is gone.
 fn send(writers: &[Option<Lanes>], to: Rank, out: Outbound) -> bool {
     writers.get(to.index()).and_then(Option::as_ref).is_some_and(|lanes| lanes.send(out, SendMode::QUEUE) != Sent::Gone)
+}
+
+/// Hand what a connection delivered to the driver state: a frame, or the connection's end.
+pub(crate) fn deliver(st: &mut DriverState, fx: &mut Effects, inbound: Inbound) {
+    match inbound {
+        Inbound::Frame { from, header, payload } => st.handle_frame(super::now(), from, header, payload, fx),
+        Inbound::Closed { from, reason, clean } => st.handle_closed(super::now(), from, reason, clean, fx),
+    }
 }

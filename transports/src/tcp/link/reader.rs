@@ -1,0 +1,313 @@
+//! The receive side of a connection: [`Assembler`], a sans-IO frame assembler that turns
+//! whatever the reads deliver into validated frames, and [`run_reader`], the reader task that
+//! drives it from an async stream.
+//!
+//! Why sans-IO: the same assembler serves the reader task and, on a real socket, threads that
+//! busy-poll the socket themselves (see `socket.rs`); both read into [`Assembler::read_buf`] and
+//! take frames from [`Assembler::poll_frame`]. A large payload is read straight into a pooled
+//! buffer of its own, never copied out of the staging buffer.
+
+use std::io;
+
+use cohort_core::protocol::{FrameHeader, FrameKind, FrameLimits, HEADER_LEN};
+use cohort_core::work::Rank;
+use tokio::io::{AsyncRead, AsyncReadExt};
+
+use super::{BufferPool, Inbound};
+use crate::tcp::tunables::STAGING;
+
+/// Read frames from `stream` until it ends, handing each to `deliver` (which returns false
+/// once nobody listens any more).
+pub(crate) async fn run_reader<R>(
+    from: Rank,
+    mut stream: R,
+    limits: FrameLimits,
+    pool: BufferPool,
+    mut deliver: impl FnMut(Inbound) -> bool,
+) where
+    R: AsyncRead + Unpin,
+{
+    let mut asm = Assembler::new(from, limits, pool);
+    loop {
+        while let Some(next) = asm.poll_frame() {
+            match next {
+                Ok(frame) => {
+                    if !deliver(frame) {
+                        return; // the driver is gone
+                    }
+                }
+                Err(last) => {
+                    let _ = deliver(last);
+                    return;
+                }
+            }
+        }
+        match stream.read(asm.read_buf()).await {
+            Ok(0) => {
+                let _ = deliver(asm.eof());
+                return;
+            }
+            Ok(n) => asm.advance(n),
+            Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+            Err(e) => {
+                let _ = deliver(asm.read_error(&e));
+                return;
+            }
+        }
+    }
+}
+
+/// Turns the bytes of one connection into frames, whatever the reads deliver (sans-IO: the
+/// caller reads into [`Assembler::read_buf`], reports [`Assembler::advance`], then takes what
+/// became complete from [`Assembler::poll_frame`]).
+pub(crate) struct Assembler {
+    from: Rank,
+    limits: FrameLimits,
+    pool: BufferPool,
+    buf: Box<[u8]>,
+    start: usize,
+    end: usize,
+    /// A frame whose header has arrived: its header, its payload buffer, bytes of it filled.
+    partial: Option<(FrameHeader, Vec<u8>, usize)>,
+    /// The last read_buf was the partial payload itself.
+    direct: bool,
+    /// The last frame's payload was read (at least partly) straight into its own buffer: the
+    /// next read takes only the next header, so that a large payload after it is read straight
+    /// into its buffer too rather than partly into the staging buffer and copied from there.
+    after_large: bool,
+    /// A last frame (goodbye, malformed) was returned: nothing more comes.
+    ended: bool,
+}
+
+impl Assembler {
+    pub(crate) fn new(from: Rank, limits: FrameLimits, pool: BufferPool) -> Self {
+        Assembler {
+            from,
+            limits,
+            pool,
+            buf: vec![0; STAGING].into_boxed_slice(),
+            start: 0,
+            end: 0,
+            partial: None,
+            direct: false,
+            after_large: false,
+            ended: false,
+        }
+    }
+
+    /// The next complete frame, if the bytes read so far hold one. `Err` is the connection's
+    /// last word (a goodbye, or a malformed frame): nothing more comes after it.
+    pub(crate) fn poll_frame(&mut self) -> Option<Result<Inbound, Inbound>> {
+        if self.ended {
+            return None;
+        }
+        loop {
+            if let Some((_, payload, got)) = &mut self.partial {
+                if *got < payload.len() {
+                    let n = (self.end - self.start).min(payload.len() - *got);
+                    if n == 0 {
+                        return None;
+                    }
+                    payload[*got..*got + n].copy_from_slice(&self.buf[self.start..self.start + n]);
+                    self.start += n;
+                    *got += n;
+                    continue;
+                }
+                let (header, payload, _) = self.partial.take()?;
+                return Some(self.complete(header, payload));
+            }
+            if self.end - self.start < HEADER_LEN {
+                return None;
+            }
+            let from = self.from;
+            let mut head = [0u8; HEADER_LEN];
+            head.copy_from_slice(&self.buf[self.start..self.start + HEADER_LEN]);
+            self.start += HEADER_LEN;
+            let header = match FrameHeader::decode(&head, &self.limits) {
+                Ok(h) => h,
+                Err(e) => return Some(self.last(format!("malformed frame from rank {from}: {e}"), false)),
+            };
+            if header.source != from {
+                let claim = header.source;
+                return Some(
+                    self.last(format!("frame on rank {from}'s connection claims to come from rank {claim}"), false),
+                );
+            }
+            // The length was checked against the frame limit by decode.
+            let len = usize::try_from(header.payload_len).unwrap_or(usize::MAX);
+            self.after_large = false;
+            if len == 0 {
+                return Some(self.complete(header, Vec::new()));
+            }
+            match self.pool.take(len) {
+                Ok(payload) => self.partial = Some((header, payload, 0)),
+                Err(e) => {
+                    return Some(
+                        self.last(format!("cannot allocate {len} bytes for a frame from rank {from}: {e}"), false),
+                    );
+                }
+            }
+        }
+    }
+
+    fn complete(&mut self, header: FrameHeader, payload: Vec<u8>) -> Result<Inbound, Inbound> {
+        let from = self.from;
+        if header.kind == FrameKind::Goodbye {
+            return self.last(format!("rank {from} closed the connection"), true);
+        }
+        Ok(Inbound::Frame { from, header, payload })
+    }
+
+    fn last(&mut self, reason: String, clean: bool) -> Result<Inbound, Inbound> {
+        self.ended = true;
+        Err(Inbound::Closed { from: self.from, reason, clean })
+    }
+
+    /// Where the next read goes (never empty). Call [`Assembler::poll_frame`] until `None`
+    /// first.
+    pub(crate) fn read_buf(&mut self) -> &mut [u8] {
+        let buffered = self.end - self.start;
+        let header_only = self.after_large && self.partial.is_none() && buffered < HEADER_LEN;
+        if let Some((_, payload, got)) = &mut self.partial
+            && buffered == 0
+            && payload.len() - *got >= self.buf.len()
+        {
+            self.direct = true;
+            return &mut payload[*got..];
+        }
+        self.direct = false;
+        if self.start > 0 {
+            self.buf.copy_within(self.start..self.end, 0);
+            self.end = buffered;
+            self.start = 0;
+        }
+        if header_only {
+            return &mut self.buf[buffered..HEADER_LEN];
+        }
+        &mut self.buf[self.end..]
+    }
+
+    /// `n` bytes were read into the last [`Assembler::read_buf`].
+    pub(crate) fn advance(&mut self, n: usize) {
+        match &mut self.partial {
+            Some((_, _, got)) if self.direct => {
+                *got += n;
+                self.after_large = true;
+            }
+            _ => self.end = (self.end + n).min(self.buf.len()),
+        }
+    }
+
+    /// What the end of the stream means here.
+    pub(crate) fn eof(&self) -> Inbound {
+        let between = self.partial.is_none() && self.end == self.start;
+        let e = io::Error::from(io::ErrorKind::UnexpectedEof);
+        Inbound::Closed { from: self.from, reason: describe_read_error(&e, between), clean: false }
+    }
+
+    /// What a failed read means here.
+    pub(crate) fn read_error(&self, e: &io::Error) -> Inbound {
+        Inbound::Closed { from: self.from, reason: describe_read_error(e, false), clean: false }
+    }
+}
+
+fn describe_read_error(e: &io::Error, between_frames: bool) -> String {
+    match e.kind() {
+        io::ErrorKind::UnexpectedEof if between_frames => {
+            "connection closed (EOF): the peer process exited or crashed".into()
+        }
+        io::ErrorKind::UnexpectedEof => "connection closed (EOF) in the middle of a frame".into(),
+        io::ErrorKind::ConnectionReset => "connection reset by peer".into(),
+        _ => format!("read failed: {e}"),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use cohort_core::work::Rank;
+
+    use super::super::test_util::{assemble, data, reason, wire};
+    use super::*;
+
+    #[test]
+    fn the_assembler_rebuilds_frames_from_any_reads_and_names_how_the_stream_ended() {
+        let frames =
+            vec![data(1, 0, 0), data(2, 5, 7), data(3, STAGING * 3 + 11, 9), data(4, 1, 1), data(5, STAGING, 2)];
+        let bytes = wire(&frames);
+        for reads in [&[1usize][..], &[7, 13], &[STAGING], &[usize::MAX], &[HEADER_LEN - 1, 100_000]] {
+            let (got, last) = assemble(&bytes, reads);
+            assert_eq!(got, frames, "reads {reads:?}");
+            assert_eq!(reason(last), ("connection closed (EOF): the peer process exited or crashed".into(), false));
+        }
+        // Cut inside a header, inside a payload.
+        for cut in [bytes.len() - 3, HEADER_LEN + 2] {
+            let (_, last) = assemble(&bytes[..cut], &[4096]);
+            assert_eq!(reason(last).0, "connection closed (EOF) in the middle of a frame");
+        }
+        // A goodbye is a clean last word; nothing after it is read.
+        let mut bye = wire(&frames[..2]);
+        bye.extend_from_slice(&FrameHeader::goodbye(Rank(1)).encode());
+        bye.extend_from_slice(&wire(&frames[2..]));
+        let (got, last) = assemble(&bye, &[3]);
+        assert_eq!(got, frames[..2]);
+        assert_eq!(reason(last), ("rank 1 closed the connection".into(), true));
+        // A frame claiming another sender, and garbage.
+        let (_, last) = assemble(&FrameHeader::heartbeat(Rank(2)).encode(), &[64]);
+        assert_eq!(reason(last).0, "frame on rank 1's connection claims to come from rank 2");
+        let (_, last) = assemble(&[0xAB; HEADER_LEN], &[64]);
+        assert!(reason(last).0.starts_with("malformed frame from rank 1: "));
+    }
+
+    #[test]
+    fn after_a_payload_read_straight_into_its_buffer_the_next_read_takes_only_the_next_header() {
+        let frames = [data(1, STAGING * 2, 1), data(2, STAGING * 2, 2), data(3, 5, 3), data(4, 7, 4)];
+        let bytes = wire(&frames);
+        let mut asm = Assembler::new(Rank(1), FrameLimits::new(1 << 30), BufferPool::default());
+        let (mut at, mut sizes, mut got) = (0, Vec::new(), Vec::new());
+        while at < bytes.len() {
+            let buf = asm.read_buf();
+            let n = buf.len().min(bytes.len() - at);
+            buf[..n].copy_from_slice(&bytes[at..at + n]);
+            asm.advance(n);
+            at += n;
+            sizes.push(n);
+            while let Some(Ok(Inbound::Frame { header, payload, .. })) = asm.poll_frame() {
+                got.push((header, payload));
+            }
+        }
+        assert_eq!(got, frames);
+        // The first read fills the staging buffer (header and the start of payload 1), the rest of
+        // payload 1 goes straight in; then header 2 alone, payload 2 straight in; then header 3
+        // alone, and what is left (small frames) through the staging buffer in one read.
+        let p = STAGING * 2;
+        assert_eq!(sizes, vec![STAGING, p - (STAGING - HEADER_LEN), HEADER_LEN, p, HEADER_LEN, 5 + HEADER_LEN + 7]);
+    }
+
+    proptest::proptest! {
+        #[test]
+        fn any_split_of_the_stream_gives_the_same_frames(
+            lens in proptest::collection::vec(0usize..3 * STAGING, 0..6),
+            reads in proptest::collection::vec(1usize..2 * STAGING, 1..8),
+        ) {
+            let frames: Vec<_> = lens.iter().enumerate().map(|(i, &n)| data(i as u64, n, i as u8)).collect();
+            let (got, _) = assemble(&wire(&frames), &reads);
+            proptest::prop_assert_eq!(got, frames);
+        }
+
+        #[test]
+        fn whatever_a_peer_sends_ends_in_frames_and_one_last_word_never_a_panic(
+            valid in proptest::collection::vec(0usize..2000, 0..3),
+            garbage in proptest::collection::vec(proptest::num::u8::ANY, 0..4 * HEADER_LEN),
+            reads in proptest::collection::vec(1usize..4096, 1..4),
+        ) {
+            let frames: Vec<_> = valid.iter().enumerate().map(|(i, &n)| data(i as u64, n, 1)).collect();
+            let mut bytes = wire(&frames);
+            bytes.extend_from_slice(&garbage);
+            let (got, last) = assemble(&bytes, &reads);
+            proptest::prop_assert!(got.len() >= frames.len());
+            proptest::prop_assert_eq!(&got[..frames.len()], &frames[..]);
+            let closed = matches!(last, Some(Inbound::Closed { .. }));
+            proptest::prop_assert!(closed, "the stream ends with a close");
+        }
+    }
+}
