@@ -87,7 +87,7 @@ pub(crate) fn run(args: SimArgs) -> Result<i32, String> {
     if let Some(seed) = args.seed {
         sim = sim.seed(seed);
     }
-    let report = sim.run()?;
+    let report = sim.run().map_err(|e| e.to_string())?;
     print!("{report}");
     if let Some(path) = &args.json {
         std::fs::write(path, report.to_json()).map_err(|e| format!("--json {}: {e}", path.display()))?;

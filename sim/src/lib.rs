@@ -37,5 +37,7 @@ pub mod workload;
 
 pub use net::TurmoilNet;
 pub use plan::{Change, DeviceFault, Fault, FaultPlan, SLOW_KERNEL_MS, Trigger};
-pub use run::{Backend, Fate, Outcome, RankFn, RankReport, Report, Simulation, WorkEvent, WorkOutcome, Workload};
+pub use run::{
+    Backend, Fate, Outcome, RankFn, RankReport, Report, SetupError, Simulation, WorkEvent, WorkOutcome, Workload,
+};
 pub use workload::{Script, ScriptOp, Step};

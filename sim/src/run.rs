@@ -220,18 +220,18 @@ impl Simulation {
 
     /// Run it. `Err` names what is wrong with the setup (world size, plan, script); every
     /// failure inside the simulated job is in the report.
-    pub fn run(self) -> Result<Report, String> {
+    pub fn run(self) -> Result<Report, SetupError> {
         if self.world_size == 0 {
-            return Err("the world size must be at least 1".into());
+            return Err(SetupError::NoRanks);
         }
         let script = match &self.workload {
             Workload::Script(s) => {
-                s.validate(self.world_size)?;
+                s.validate(self.world_size).map_err(SetupError::Script)?;
                 Some(s)
             }
             Workload::Custom { .. } => None,
         };
-        self.plan.validate(self.world_size, script)?;
+        self.plan.validate(self.world_size, script).map_err(SetupError::Plan)?;
         self.check_backend()?;
         let seed = self.seed.unwrap_or_else(|| {
             let seed = std::time::SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| d.as_nanos() as u64);
@@ -243,27 +243,47 @@ impl Simulation {
     }
 }
 
+/// Why [`Simulation::run`] refused to start: the setup, not the simulated job, is wrong.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum SetupError {
+    /// The world size is 0.
+    #[error("the world size must be at least 1")]
+    NoRanks,
+    /// The script does not fit the world (its message says where).
+    #[error("{0}")]
+    Script(String),
+    /// The fault plan does not fit the world or the script (its message says where).
+    #[error("{0}")]
+    Plan(String),
+    /// A device fault under the TCP backend.
+    #[error("{0}: device faults need the NCCL backend (--backend nccl)")]
+    DeviceFaultNeedsNccl(Fault),
+    /// A link fault under the NCCL backend, whose emulated fabric runs through the store host.
+    #[error(
+        "{0}: the emulated NCCL fabric runs through the store host, so a link between two ranks carries nothing (isolate a rank instead)"
+    )]
+    LinkFaultUnderNccl(Fault),
+    /// A code workload under the NCCL backend.
+    #[error("code workloads run on the TCP backend only")]
+    CodeWorkloadNeedsTcp,
+}
+
 impl Simulation {
     /// Whether the plan and workload suit the backend.
-    fn check_backend(&self) -> Result<(), String> {
-        for f in &self.plan.faults {
+    fn check_backend(&self) -> Result<(), SetupError> {
+        for &f in &self.plan.faults {
             match (self.backend, f) {
-                (Backend::Tcp, Fault::Device { .. }) => {
-                    return Err(format!("{f}: device faults need the NCCL backend (--backend nccl)"));
-                }
+                (Backend::Tcp, Fault::Device { .. }) => return Err(SetupError::DeviceFaultNeedsNccl(f)),
                 (
                     Backend::Nccl,
                     Fault::Partition { .. } | Fault::Cut { .. } | Fault::Hold { .. } | Fault::Latency { .. },
-                ) => {
-                    return Err(format!(
-                        "{f}: the emulated NCCL fabric runs through the store host, so a link between two ranks carries nothing (isolate a rank instead)"
-                    ));
-                }
+                ) => return Err(SetupError::LinkFaultUnderNccl(f)),
                 _ => {}
             }
         }
         if self.backend == Backend::Nccl && matches!(self.workload, Workload::Custom { .. }) {
-            return Err("code workloads run on the TCP backend only".into());
+            return Err(SetupError::CodeWorkloadNeedsTcp);
         }
         Ok(())
     }

@@ -4,7 +4,9 @@
 
 use std::collections::BTreeMap;
 
-use cohort_sim::{Backend, DeviceFault, Fate, Fault, FaultPlan, Outcome, Report, Script, ScriptOp, Simulation, Step};
+use cohort_sim::{
+    Backend, DeviceFault, Fate, Fault, FaultPlan, Outcome, Report, Script, ScriptOp, SetupError, Simulation, Step,
+};
 
 const DEFAULT_SCRIPT: &str = "allreduce:4096,allreduce:4096,allgather:256,broadcast:1024,barrier";
 
@@ -67,9 +69,11 @@ fn a_slow_kernel_is_benign_and_a_fault_free_run_checks_every_result() {
 #[test]
 fn link_faults_and_device_faults_are_refused_where_they_cannot_apply() {
     let e = Simulation::new(2).faults("partition:0-1@t=5ms".parse().unwrap()).backend(Backend::Nccl).run().unwrap_err();
-    assert!(e.contains("isolate a rank instead"), "{e}");
+    assert!(matches!(e, SetupError::LinkFaultUnderNccl(_)), "{e:?}");
+    assert!(e.to_string().contains("isolate a rank instead"), "{e}");
     let e = Simulation::new(2).faults("kernel-hang:1@seq1".parse().unwrap()).run().unwrap_err();
-    assert!(e.contains("device faults need the NCCL backend"), "{e}");
+    assert!(matches!(e, SetupError::DeviceFaultNeedsNccl(_)), "{e:?}");
+    assert!(e.to_string().contains("device faults need the NCCL backend"), "{e}");
 }
 
 fn env(name: &str, default: u64) -> u64 {

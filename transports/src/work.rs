@@ -259,13 +259,15 @@ impl Work {
     }
 
     /// Wrap a future as a work (c10d's `FutureWrappingWork`): it succeeds with the future's
-    /// tensors or fails with its error message. The future runs on the current tokio runtime.
-    pub fn from_future<F>(op: OpType, fut: F) -> Work
+    /// tensors or fails with its error, whose message the work's error carries. The future
+    /// runs on the current tokio runtime.
+    pub fn from_future<F, E>(op: OpType, fut: F) -> Work
     where
-        F: Future<Output = Result<Vec<Tensor>, String>> + Send + 'static,
+        F: Future<Output = Result<Vec<Tensor>, E>> + Send + 'static,
+        E: std::fmt::Display,
     {
         Work::from_work_future(&tokio::runtime::Handle::current(), op, async move {
-            fut.await.map_err(|message| WorkResult::CommError { blame: cohort_core::Blame::nobody(), message })
+            fut.await.map_err(|e| WorkResult::CommError { blame: cohort_core::Blame::nobody(), message: e.to_string() })
         })
     }
 
@@ -766,9 +768,10 @@ mod tests {
 
     #[tokio::test]
     async fn await_and_from_future() {
-        let work = Work::from_future(OpType::Allreduce, async { Ok(vec![Tensor::from_slice(&[2i32])]) });
+        let work =
+            Work::from_future(OpType::Allreduce, async { Ok::<_, std::io::Error>(vec![Tensor::from_slice(&[2i32])]) });
         assert_eq!(work.clone().await.unwrap(), vec![Tensor::from_slice(&[2i32])]);
-        let failing = Work::from_future(OpType::Gather, async { Err("nope".to_string()) });
+        let failing = Work::from_future(OpType::Gather, async { Err(std::io::Error::other("nope")) });
         let err = failing.await.unwrap_err();
         assert_eq!(err.to_string(), "gather (seq 0) failed: nope; blame: undecided, no suspects");
     }

@@ -105,7 +105,8 @@ async fn allreduce_sparse_sums_duplicate_indices_across_ranks() {
     .to_string();
     assert!(err.contains("values") && err.contains("expected [1, 2]"), "{err}");
     let err = pgs[0].allreduce_sparse_async(part(0).unwrap(), ReduceOp::Max).await.unwrap_err();
-    assert!(err.contains("only sum"), "{err}");
+    assert!(matches!(err, cohort_transports::tcp::SparseError::Submit(_)), "{err:?}");
+    assert!(err.to_string().contains("only sum"), "{err}");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

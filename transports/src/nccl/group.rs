@@ -54,8 +54,8 @@ use tokio::sync::Notify;
 use super::device::{
     BufRef, CommConfig, CommOp, Communicator, Device, HostBuffer, NcclError, NcclResult, nccl_dtype, nccl_op,
 };
+use crate::env::{self, Env, EnvError};
 use crate::store::Store;
-use crate::tcp::EnvError;
 use crate::work::{CompletionHook, Work, WorkCompleter};
 
 /// The backend name in flight-recorder profiling names (`nccl:all_reduce`), as c10d's.
@@ -80,9 +80,9 @@ pub enum MonitorAction {
 #[derive(Debug, Clone, PartialEq)]
 pub struct NcclOptions {
     /// Default timeout of every collective (c10d's NCCL default, 10 minutes).
-    /// `COHORT_TIMEOUT_MS`.
+    /// `COHORT_TIMEOUT_MS` (collectives only, as under TCP: it does not change `init_timeout`).
     pub timeout: Duration,
-    /// How long communicator init may take. `COHORT_INIT_TIMEOUT_MS`, default the timeout.
+    /// How long communicator init may take. `COHORT_INIT_TIMEOUT_MS`, default 10 minutes.
     pub init_timeout: Duration,
     /// What to do after a failure. `COHORT_ASYNC_ERROR_HANDLING` /
     /// `TORCH_NCCL_ASYNC_ERROR_HANDLING` (0-3), default 2 (clean up only: abort the
@@ -154,95 +154,61 @@ impl Default for NcclOptions {
     }
 }
 
-/// Reads variables through `lookup` (the environment, or a table in tests).
-struct Vars<F: Fn(&str) -> Option<String>>(F);
-
-impl<F: Fn(&str) -> Option<String>> Vars<F> {
-    /// The first of `names` that is set (and not empty): `COHORT_*` before `TORCH_NCCL_*`.
-    fn first(&self, names: &[&'static str]) -> Option<(&'static str, String)> {
-        names.iter().find_map(|&n| (self.0)(n).filter(|v| !v.is_empty()).map(|v| (n, v)))
-    }
-
-    fn u64(&self, names: &[&'static str]) -> Result<Option<u64>, EnvError> {
-        let Some((name, value)) = self.first(names) else { return Ok(None) };
-        value.trim().parse::<u64>().map(Some).map_err(|e| EnvError {
-            name,
-            value: value.clone(),
-            reason: e.to_string(),
-        })
-    }
-
-    fn flag(&self, names: &[&'static str]) -> Result<Option<bool>, EnvError> {
-        let Some((name, value)) = self.first(names) else { return Ok(None) };
-        match value.trim().to_ascii_lowercase().as_str() {
-            "1" | "true" | "yes" | "on" => Ok(Some(true)),
-            "0" | "false" | "no" | "off" => Ok(Some(false)),
-            _ => Err(EnvError { name, value, reason: "expected 1 or 0".into() }),
-        }
-    }
-}
-
 impl NcclOptions {
     /// Defaults, overridden by whatever `COHORT_*` (or `TORCH_NCCL_*`) variables are set; a
-    /// malformed value is an error naming the variable.
+    /// malformed value is an error naming the variable. `COHORT_TIMEOUT_MS` sets the collective
+    /// timeout only (as under TCP); the init timeout is `COHORT_INIT_TIMEOUT_MS`.
     pub fn from_env() -> Result<NcclOptions, EnvError> {
-        Self::from_lookup(|name| std::env::var(name).ok())
+        Self::from_vars(&Env::process())
     }
 
     /// [`NcclOptions::from_env`] over any source of variables.
     pub fn from_lookup(lookup: impl Fn(&str) -> Option<String>) -> Result<NcclOptions, EnvError> {
-        let v = Vars(lookup);
+        Self::from_vars(&Env::new(lookup))
+    }
+
+    fn from_vars<F: Fn(&str) -> Option<String>>(v: &Env<F>) -> Result<NcclOptions, EnvError> {
         let mut o = NcclOptions::default();
-        if let Some(ms) = v.u64(&["COHORT_TIMEOUT_MS"])? {
-            o.timeout = Duration::from_millis(ms);
-            o.init_timeout = o.timeout;
+        if let Some(t) = v.millis(env::TIMEOUT_MS)? {
+            o.timeout = t;
         }
-        if let Some(ms) = v.u64(&["COHORT_INIT_TIMEOUT_MS"])? {
-            o.init_timeout = Duration::from_millis(ms);
+        if let Some(t) = v.millis(env::INIT_TIMEOUT_MS)? {
+            o.init_timeout = t;
         }
-        if let Some(level) = v.u64(&["COHORT_ASYNC_ERROR_HANDLING", "TORCH_NCCL_ASYNC_ERROR_HANDLING"])? {
-            o.error_handling = u8::try_from(level).ok().and_then(ErrorHandling::from_level).ok_or(EnvError {
-                name: "COHORT_ASYNC_ERROR_HANDLING",
-                value: level.to_string(),
-                reason: "expected 0 (no handling), 1 (tear down), 2 (clean up only) or 3 (skip clean up)".into(),
-            })?;
+        if let Some(level) = v.error_handling()? {
+            o.error_handling = level;
         }
-        if let Some(b) = v.flag(&["COHORT_NCCL_BLOCKING"])? {
+        if let Some(b) = v.flag(env::NCCL_BLOCKING)? {
             o.blocking_comm = b;
         }
-        if let Some(b) = v.flag(&["COHORT_BLOCKING_WAIT", "TORCH_NCCL_BLOCKING_WAIT"])? {
+        if let Some(b) = v.flag(env::BLOCKING_WAIT)? {
             o.blocking_wait = b;
         }
-        if let Some(b) = v.flag(&["COHORT_NCCL_LAZY_INIT"])? {
+        if let Some(b) = v.flag(env::NCCL_LAZY_INIT)? {
             o.lazy_init = b;
         }
-        if let Some(b) = v.flag(&["COHORT_DESYNC_DEBUG", "TORCH_NCCL_DESYNC_DEBUG"])? {
+        if let Some(b) = v.flag(env::DESYNC_DEBUG)? {
             o.desync_debug = b;
         }
-        if let Some(b) = v.flag(&["COHORT_ENABLE_TIMING", "TORCH_NCCL_ENABLE_TIMING"])? {
+        if let Some(b) = v.flag(env::ENABLE_TIMING)? {
             o.enable_timing = b;
         }
-        if let Some(ms) = v.u64(&["COHORT_STATUS_INTERVAL_MS"])? {
-            if ms == 0 {
-                return Err(EnvError {
-                    name: "COHORT_STATUS_INTERVAL_MS",
-                    value: "0".into(),
-                    reason: "expected at least 1".into(),
-                });
+        if let Some(t) = v.millis(env::STATUS_INTERVAL_MS)? {
+            if t.is_zero() {
+                return Err(EnvError::invalid(env::STATUS_INTERVAL_MS.name(), "0", "expected at least 1"));
             }
-            o.status_interval = Duration::from_millis(ms);
+            o.status_interval = t;
         }
-        if let Some(s) = v.u64(&["COHORT_HEARTBEAT_TIMEOUT_SEC", "TORCH_NCCL_HEARTBEAT_TIMEOUT_SEC"])? {
-            o.heartbeat_timeout = (s > 0).then(|| Duration::from_secs(s));
+        if let Some(t) = v.secs(env::HEARTBEAT_TIMEOUT_SEC)? {
+            o.heartbeat_timeout = (!t.is_zero()).then_some(t);
         }
-        if let Some(b) = v.flag(&["COHORT_MONITOR_ABORT"])? {
+        if let Some(b) = v.flag(env::MONITOR_ABORT)? {
             o.monitor_action = if b { MonitorAction::AbortProcess } else { MonitorAction::Report };
         }
-        if let Some(n) = v.u64(&["COHORT_TRACE_BUFFER_SIZE", "TORCH_NCCL_TRACE_BUFFER_SIZE"])? {
+        if let Some(n) = v.u64(env::TRACE_BUFFER_SIZE)? {
             o.trace_buffer_size = usize::try_from(n).unwrap_or(usize::MAX);
         }
-        o.dump_prefix =
-            v.first(&["COHORT_DUMP_ON_FAILURE", "TORCH_NCCL_DEBUG_INFO_TEMP_FILE"]).map(|(_, p)| PathBuf::from(p));
+        o.dump_prefix = v.path(env::DUMP_ON_FAILURE);
         Ok(o)
     }
 }

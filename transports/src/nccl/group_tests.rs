@@ -518,7 +518,10 @@ fn options_read_the_torch_names_and_refuse_bad_values_by_name() {
     assert_eq!(o.heartbeat_timeout, None);
     assert_eq!(o.trace_buffer_size, 17);
     assert!(o.blocking_wait);
-    assert_eq!((o.timeout, o.init_timeout), (Duration::from_millis(1500), Duration::from_millis(1500)));
+    // COHORT_TIMEOUT_MS is the collectives' timeout only, as under TCP; init keeps its own.
+    assert_eq!((o.timeout, o.init_timeout), (Duration::from_millis(1500), NcclOptions::default().init_timeout));
+    let o = NcclOptions::from_lookup(env(&[("COHORT_INIT_TIMEOUT_MS", "700")])).unwrap();
+    assert_eq!((o.timeout, o.init_timeout), (NcclOptions::default().timeout, Duration::from_millis(700)));
     // COHORT_* wins over TORCH_NCCL_*.
     let o = NcclOptions::from_lookup(env(&[("COHORT_DESYNC_DEBUG", "0"), ("TORCH_NCCL_DESYNC_DEBUG", "1")])).unwrap();
     assert!(!o.desync_debug);

@@ -5,6 +5,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use super::{InitError, ProcessGroup, TcpOptions};
+use crate::env::{self, Env, EnvError};
 use crate::net::TokioNet;
 use crate::store::{Store, TcpStore, TcpStoreConfig, TcpStoreServer, TcpStoreServerConfig};
 
@@ -27,26 +28,33 @@ pub struct InitConfig {
 }
 
 impl InitConfig {
-    /// Read `MASTER_ADDR`, `MASTER_PORT`, `RANK`, `WORLD_SIZE`, `LOCAL_RANK`; every missing or
-    /// malformed variable is named.
+    /// Read `MASTER_ADDR`, `MASTER_PORT`, `RANK`, `WORLD_SIZE`, `LOCAL_RANK` (0 when unset) and
+    /// `COHORT_STORE_HOSTED` (or `TORCHELASTIC_USE_AGENT_STORE`); every missing or malformed
+    /// variable is named.
     pub fn from_env() -> Result<InitConfig, InitError> {
-        fn get(name: &str) -> Result<String, InitError> {
-            std::env::var(name).map_err(|_| InitError::Env(format!("environment variable {name} is not set")))
-        }
-        fn num<T: std::str::FromStr>(name: &str) -> Result<T, InitError> {
-            let v = get(name)?;
-            v.trim().parse().map_err(|_| InitError::Env(format!("environment variable {name}={v:?} is not a number")))
-        }
-        let hosted = std::env::var("COHORT_STORE_HOSTED").is_ok_and(|v| v == "1")
-            || std::env::var("TORCHELASTIC_USE_AGENT_STORE").is_ok_and(|v| v.eq_ignore_ascii_case("true"));
-        let cfg = InitConfig {
-            master_addr: get("MASTER_ADDR")?,
-            master_port: num("MASTER_PORT")?,
-            rank: num("RANK")?,
-            world_size: num("WORLD_SIZE")?,
-            local_rank: std::env::var("LOCAL_RANK").ok().and_then(|v| v.parse().ok()).unwrap_or(0),
-            host_store: !hosted,
+        Self::from_vars(&Env::process())
+    }
+
+    /// [`InitConfig::from_env`] over any source of variables.
+    pub fn from_lookup(lookup: impl Fn(&str) -> Option<String>) -> Result<InitConfig, InitError> {
+        Self::from_vars(&Env::new(lookup))
+    }
+
+    fn from_vars<F: Fn(&str) -> Option<String>>(v: &Env<F>) -> Result<InitConfig, InitError> {
+        let read = || -> Result<InitConfig, EnvError> {
+            let master_port = v.u32(env::MASTER_PORT)?.ok_or(EnvError::Missing { name: env::MASTER_PORT.name() })?;
+            Ok(InitConfig {
+                master_addr: v.required_string(env::MASTER_ADDR)?,
+                master_port: u16::try_from(master_port).map_err(|_| {
+                    EnvError::invalid(env::MASTER_PORT.name(), master_port.to_string(), "expected a port, 0 to 65535")
+                })?,
+                rank: v.rank(env::RANK)?,
+                world_size: v.rank(env::WORLD_SIZE)?,
+                local_rank: v.u32(env::LOCAL_RANK)?.unwrap_or(0),
+                host_store: !v.flag(env::STORE_HOSTED)?.unwrap_or(false),
+            })
         };
+        let cfg = read()?;
         if cfg.world_size == 0 || cfg.rank >= cfg.world_size {
             return Err(InitError::BadRank { rank: cfg.rank, world_size: cfg.world_size });
         }
@@ -59,7 +67,7 @@ impl InitConfig {
 /// any async context (in one, use [`ProcessGroup::connect`]).
 pub fn init_process_group() -> Result<ProcessGroup, InitError> {
     let cfg = InitConfig::from_env()?;
-    let opts = TcpOptions::from_env().map_err(|e| InitError::Env(e.to_string()))?;
+    let opts = TcpOptions::from_env()?;
     init_process_group_with(cfg, opts)
 }
 
@@ -70,14 +78,14 @@ pub fn init_process_group_with(cfg: InitConfig, opts: TcpOptions) -> Result<Proc
         .thread_name("cohort-tcp")
         .enable_all()
         .build()
-        .map_err(|e| InitError::Env(format!("cannot start the runtime: {e}")))?;
+        .map_err(InitError::Runtime)?;
     let runtime = Arc::new(runtime);
     let pg = runtime.block_on(async {
         let server = if cfg.rank == 0 && cfg.host_store {
             let bind = SocketAddr::new(IpAddr::V4(Ipv4Addr::UNSPECIFIED), cfg.master_port);
-            let server = TcpStoreServer::bind(TokioNet, TcpStoreServerConfig::new(bind)).await.map_err(|e| {
-                InitError::Env(format!("rank 0 cannot host the store on port {}: {e}", cfg.master_port))
-            })?;
+            let server = TcpStoreServer::bind(TokioNet, TcpStoreServerConfig::new(bind))
+                .await
+                .map_err(|source| InitError::HostStore { port: cfg.master_port, source })?;
             Some(server)
         } else {
             None
@@ -93,4 +101,61 @@ pub fn init_process_group_with(cfg: InitConfig, opts: TcpOptions) -> Result<Proc
         Ok::<_, InitError>(pg.with_owned(server, None))
     })?;
     Ok(pg.with_owned(None, Some(runtime)))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn table(pairs: &[(&str, &str)]) -> impl Fn(&str) -> Option<String> {
+        let pairs: Vec<(String, String)> = pairs.iter().map(|&(n, v)| (n.to_owned(), v.to_owned())).collect();
+        move |name: &str| pairs.iter().find(|(n, _)| n == name).map(|(_, v)| v.clone())
+    }
+
+    const TORCHRUN: [(&str, &str); 4] =
+        [("MASTER_ADDR", "h"), ("MASTER_PORT", "29500"), ("RANK", "1"), ("WORLD_SIZE", "2")];
+
+    fn with(extra: &[(&'static str, &'static str)]) -> Vec<(&'static str, &'static str)> {
+        // The first match wins, so extras go first.
+        extra.iter().copied().chain(TORCHRUN).collect()
+    }
+
+    #[test]
+    fn torchruns_variables_make_a_config() {
+        let cfg = InitConfig::from_lookup(table(&with(&[("LOCAL_RANK", "1")]))).unwrap();
+        let want = InitConfig {
+            master_addr: "h".into(),
+            master_port: 29500,
+            rank: 1,
+            world_size: 2,
+            local_rank: 1,
+            host_store: true,
+        };
+        assert_eq!(cfg, want);
+        assert_eq!(InitConfig::from_lookup(table(&TORCHRUN)).unwrap().local_rank, 0);
+        let hosted = InitConfig::from_lookup(table(&with(&[("TORCHELASTIC_USE_AGENT_STORE", "True")]))).unwrap();
+        assert!(!hosted.host_store);
+        let hosted = InitConfig::from_lookup(table(&with(&[("COHORT_STORE_HOSTED", "1")]))).unwrap();
+        assert!(!hosted.host_store);
+    }
+
+    #[test]
+    fn a_malformed_local_rank_is_an_error_not_rank_0() {
+        let e = InitConfig::from_lookup(table(&with(&[("LOCAL_RANK", "abc")]))).unwrap_err();
+        assert_eq!(e.to_string(), "environment variable LOCAL_RANK=\"abc\" is invalid: invalid digit found in string");
+    }
+
+    #[test]
+    fn missing_and_malformed_variables_are_named() {
+        let e = InitConfig::from_lookup(table(&TORCHRUN[1..])).unwrap_err();
+        assert_eq!(e.to_string(), "environment variable MASTER_ADDR is not set");
+        let e = InitConfig::from_lookup(table(&with(&[("RANK", "one")]))).unwrap_err();
+        assert!(e.to_string().starts_with("environment variable RANK=\"one\" is invalid"), "{e}");
+        let e = InitConfig::from_lookup(table(&with(&[("MASTER_PORT", "70000")]))).unwrap_err();
+        assert!(e.to_string().contains("MASTER_PORT=\"70000\" is invalid: expected a port"), "{e}");
+        let e = InitConfig::from_lookup(table(&with(&[("COHORT_STORE_HOSTED", "maybe")]))).unwrap_err();
+        assert!(e.to_string().contains("COHORT_STORE_HOSTED=\"maybe\""), "{e}");
+        let e = InitConfig::from_lookup(table(&with(&[("RANK", "2")]))).unwrap_err();
+        assert!(matches!(e, InitError::BadRank { rank: 2, world_size: 2 }), "{e}");
+    }
 }

@@ -1,18 +1,20 @@
 //! Options of the TCP backend, and reading them from the environment.
 
-use std::env;
 use std::net::{IpAddr, Ipv4Addr};
 use std::path::PathBuf;
 use std::time::Duration;
 
 use cohort_core::group::{DEFAULT_TIMEOUT, ErrorHandling, HeartbeatConfig};
 
+use crate::env::{self, Env};
+
 /// Options of a TCP process group (what `ProcessGroupGloo::Options` holds, plus cohort's
 /// failure detection). Every field has a documented default and most have an environment
 /// variable, read by [`TcpOptions::from_env`].
 #[derive(Debug, Clone, PartialEq)]
 pub struct TcpOptions {
-    /// Default timeout of every collective (Gloo's 30 minutes). `COHORT_TIMEOUT_MS`.
+    /// Default timeout of every collective (Gloo's 30 minutes). `COHORT_TIMEOUT_MS` (collectives
+    /// only, as under NCCL: it does not change `init_timeout`).
     pub timeout: Duration,
     /// How long connecting to every peer may take. `COHORT_INIT_TIMEOUT_MS`, default 300 s.
     pub init_timeout: Duration,
@@ -20,7 +22,8 @@ pub struct TcpOptions {
     /// 0 turns heartbeats off) and `COHORT_PEER_DEAD_AFTER_MS` (default 10000).
     pub heartbeat: Option<HeartbeatConfig>,
     /// What to do after a failure, as `TORCH_NCCL_ASYNC_ERROR_HANDLING`.
-    /// `COHORT_ASYNC_ERROR_HANDLING` (0-3), default 2 (clean up only).
+    /// `COHORT_ASYNC_ERROR_HANDLING` (or `TORCH_NCCL_ASYNC_ERROR_HANDLING`, 0-3), default 2
+    /// (clean up only).
     pub error_handling: ErrorHandling,
     /// The address to listen on and publish to peers. `COHORT_SOCKET_IFNAME` names an interface
     /// (as `GLOO_SOCKET_IFNAME`); without it, the address the host name resolves to, falling
@@ -67,12 +70,12 @@ pub struct TcpOptions {
     /// 359 → 292 µs). More may pay for large transfers with many peers on a host with cores to
     /// spare. `COHORT_IO_THREADS`, default 1.
     pub io_threads: usize,
-    /// Flight-recorder entries kept (0 turns it off). `COHORT_TRACE_BUFFER_SIZE`, as
-    /// `TORCH_NCCL_TRACE_BUFFER_SIZE`; default 2000.
+    /// Flight-recorder entries kept (0 turns it off). `COHORT_TRACE_BUFFER_SIZE` (or
+    /// `TORCH_NCCL_TRACE_BUFFER_SIZE`); default 2000.
     pub trace_buffer_size: usize,
     /// Where to dump the flight recorder when the group fails: `<prefix><rank>.json`.
-    /// `COHORT_DUMP_ON_FAILURE` (a file prefix, as `TORCH_NCCL_DEBUG_INFO_TEMP_FILE` with
-    /// `TORCH_NCCL_DUMP_ON_TIMEOUT`); off by default.
+    /// `COHORT_DUMP_ON_FAILURE` (or `TORCH_NCCL_DEBUG_INFO_TEMP_FILE`: a file prefix); off by
+    /// default.
     pub dump_prefix: Option<PathBuf>,
     /// The Unix time (ns) the flight recorder's timestamps count from, read from the system
     /// clock at init when `None` (the default). The simulator sets it so that dumps are the
@@ -114,130 +117,101 @@ pub const MAX_IO_THREADS: usize = 64;
 /// Most connections a pair of ranks may open.
 pub const MAX_CONNECTIONS_PER_PEER: u16 = 16;
 
-/// A `COHORT_*` variable that does not parse.
-#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
-#[error("environment variable {name}={value:?} is invalid: {reason}")]
-pub struct EnvError {
-    /// The variable.
-    pub name: &'static str,
-    /// Its value.
-    pub value: String,
-    /// What is wrong.
-    pub reason: String,
-}
-
-fn var(name: &'static str) -> Option<String> {
-    env::var(name).ok().filter(|v| !v.is_empty())
-}
-
-fn parse_u64(name: &'static str) -> Result<Option<u64>, EnvError> {
-    var(name)
-        .map(|v| v.trim().parse::<u64>().map_err(|e| EnvError { name, value: v.clone(), reason: e.to_string() }))
-        .transpose()
-}
+pub use crate::env::EnvError;
 
 impl TcpOptions {
-    /// Defaults, overridden by whatever `COHORT_*` variables are set.
+    /// Defaults, overridden by whatever `COHORT_*` variables (or their torch names) are set; a
+    /// malformed value is an error naming the variable. `COHORT_TIMEOUT_MS` sets the collective
+    /// timeout only; the init timeout is `COHORT_INIT_TIMEOUT_MS`.
     pub fn from_env() -> Result<TcpOptions, EnvError> {
+        Self::from_vars(&Env::process())
+    }
+
+    /// [`TcpOptions::from_env`] over any source of variables.
+    pub fn from_lookup(lookup: impl Fn(&str) -> Option<String>) -> Result<TcpOptions, EnvError> {
+        Self::from_vars(&Env::new(lookup))
+    }
+
+    fn from_vars<F: Fn(&str) -> Option<String>>(v: &Env<F>) -> Result<TcpOptions, EnvError> {
         let mut o = TcpOptions::default();
-        if let Some(ms) = parse_u64("COHORT_TIMEOUT_MS")? {
-            o.timeout = Duration::from_millis(ms);
+        if let Some(t) = v.millis(env::TIMEOUT_MS)? {
+            o.timeout = t;
         }
-        if let Some(ms) = parse_u64("COHORT_INIT_TIMEOUT_MS")? {
-            o.init_timeout = Duration::from_millis(ms);
+        if let Some(t) = v.millis(env::INIT_TIMEOUT_MS)? {
+            o.init_timeout = t;
         }
-        let hb_ms = parse_u64("COHORT_HEARTBEAT_MS")?;
-        let dead_ms = parse_u64("COHORT_PEER_DEAD_AFTER_MS")?;
-        o.heartbeat = match hb_ms {
-            Some(0) => None,
+        let interval = v.millis(env::HEARTBEAT_MS)?;
+        let dead_after = v.millis(env::PEER_DEAD_AFTER_MS)?;
+        o.heartbeat = match interval {
+            Some(Duration::ZERO) => None,
             _ => {
                 let d = HeartbeatConfig::default();
                 Some(HeartbeatConfig {
-                    interval: hb_ms.map(Duration::from_millis).unwrap_or(d.interval),
-                    dead_after: dead_ms.map(Duration::from_millis).unwrap_or(d.dead_after),
+                    interval: interval.unwrap_or(d.interval),
+                    dead_after: dead_after.unwrap_or(d.dead_after),
                 })
             }
         };
-        let level = match parse_u64("COHORT_ASYNC_ERROR_HANDLING")? {
-            Some(l) => Some(l),
-            None => parse_u64("TORCH_NCCL_ASYNC_ERROR_HANDLING")?,
-        };
-        if let Some(level) = level {
-            o.error_handling = u8::try_from(level).ok().and_then(ErrorHandling::from_level).ok_or(EnvError {
-                name: "COHORT_ASYNC_ERROR_HANDLING",
-                value: level.to_string(),
-                reason: "expected 0 (no handling), 1 (tear down), 2 (clean up only) or 3 (skip clean up)".into(),
-            })?;
+        if let Some(level) = v.error_handling()? {
+            o.error_handling = level;
         }
-        o.busy_poll = match parse_u64("COHORT_BUSY_POLL_US")? {
-            Some(us) => Duration::from_micros(us),
+        o.busy_poll = match v.micros(env::BUSY_POLL_US)? {
+            Some(t) => t,
             None => {
                 // More ranks on this host than cores: a spinning rank would take the core a peer
                 // needs to answer it (as MPI yields when oversubscribed).
-                let local = parse_u64("LOCAL_WORLD_SIZE").ok().flatten().unwrap_or(1);
+                let local = v.u64(env::LOCAL_WORLD_SIZE)?.unwrap_or(1);
                 let cores = std::thread::available_parallelism().map_or(1, |n| n.get() as u64);
                 if local > cores { Duration::ZERO } else { o.busy_poll }
             }
         };
-        if let Some(n) = parse_u64("COHORT_IO_THREADS")? {
+        if let Some(n) = v.u64(env::IO_THREADS)? {
             o.io_threads = io_threads(n)?;
         }
-        if let Some(mb) = parse_u64("COHORT_BUFFER_POOL_MB")? {
+        if let Some(mb) = v.u64(env::BUFFER_POOL_MB)? {
             o.buffer_pool_bytes = buffer_pool_bytes(mb)?;
         }
-        if let Some(n) = parse_u64("COHORT_TRACE_BUFFER_SIZE")? {
+        if let Some(n) = v.u64(env::TRACE_BUFFER_SIZE)? {
             o.trace_buffer_size = usize::try_from(n).unwrap_or(usize::MAX);
         }
-        if let Some(n) = parse_u64("COHORT_CONNECTIONS_PER_PEER")? {
+        if let Some(n) = v.u64(env::CONNECTIONS_PER_PEER)? {
             o.connections_per_peer =
-                u16::try_from(n).ok().filter(|n| (1..=MAX_CONNECTIONS_PER_PEER).contains(n)).ok_or(EnvError {
-                    name: "COHORT_CONNECTIONS_PER_PEER",
-                    value: n.to_string(),
-                    reason: format!("expected 1 to {MAX_CONNECTIONS_PER_PEER}"),
+                u16::try_from(n).ok().filter(|n| (1..=MAX_CONNECTIONS_PER_PEER).contains(n)).ok_or_else(|| {
+                    EnvError::invalid(
+                        env::CONNECTIONS_PER_PEER.name(),
+                        n.to_string(),
+                        format!("expected 1 to {MAX_CONNECTIONS_PER_PEER}"),
+                    )
                 })?;
         }
-        if let Some((name, value)) =
-            ["COHORT_LAZY_INIT", "TORCH_GLOO_LAZY_INIT"].into_iter().find_map(|n| var(n).map(|v| (n, v)))
-        {
-            o.lazy_connect = match value.trim().to_ascii_lowercase().as_str() {
-                "1" | "true" | "yes" | "on" => true,
-                "0" | "false" | "no" | "off" => false,
-                _ => return Err(EnvError { name, value, reason: "expected 1 or 0".into() }),
-            };
+        if let Some(b) = v.flag(env::LAZY_INIT)? {
+            o.lazy_connect = b;
         }
-        o.dump_prefix = var("COHORT_DUMP_ON_FAILURE").map(PathBuf::from);
-        o.bind_addr = resolve_bind_addr(var("COHORT_SOCKET_IFNAME").as_deref())?;
+        o.dump_prefix = v.path(env::DUMP_ON_FAILURE);
+        o.bind_addr = resolve_bind_addr(v.string(env::SOCKET_IFNAME).as_deref())?;
         Ok(o)
     }
 }
 
 /// `COHORT_IO_THREADS`, checked.
 fn io_threads(n: u64) -> Result<usize, EnvError> {
-    usize::try_from(n).ok().filter(|n| (1..=MAX_IO_THREADS).contains(n)).ok_or(EnvError {
-        name: "COHORT_IO_THREADS",
-        value: n.to_string(),
-        reason: format!("expected 1 to {MAX_IO_THREADS}"),
+    usize::try_from(n).ok().filter(|n| (1..=MAX_IO_THREADS).contains(n)).ok_or_else(|| {
+        EnvError::invalid(env::IO_THREADS.name(), n.to_string(), format!("expected 1 to {MAX_IO_THREADS}"))
     })
 }
 
 /// `COHORT_BUFFER_POOL_MB`, in bytes.
 fn buffer_pool_bytes(mb: u64) -> Result<usize, EnvError> {
-    usize::try_from(mb).ok().and_then(|mb| mb.checked_mul(1 << 20)).filter(|&b| b <= isize::MAX as usize).ok_or(
-        EnvError {
-            name: "COHORT_BUFFER_POOL_MB",
-            value: mb.to_string(),
-            reason: "more bytes than this host can address".into(),
-        },
+    usize::try_from(mb).ok().and_then(|mb| mb.checked_mul(1 << 20)).filter(|&b| b <= isize::MAX as usize).ok_or_else(
+        || EnvError::invalid(env::BUFFER_POOL_MB.name(), mb.to_string(), "more bytes than this host can address"),
     )
 }
 
 /// The address to bind: the named interface's, else the host name's, else loopback.
 pub fn resolve_bind_addr(ifname: Option<&str>) -> Result<IpAddr, EnvError> {
     if let Some(name) = ifname {
-        return interface_addr(name).ok_or_else(|| EnvError {
-            name: "COHORT_SOCKET_IFNAME",
-            value: name.to_owned(),
-            reason: "no such interface with an IPv4 address".into(),
+        return interface_addr(name).ok_or_else(|| {
+            EnvError::invalid(env::SOCKET_IFNAME.name(), name, "no such interface with an IPv4 address")
         });
     }
     if let Some(addr) = hostname_addr() {
@@ -296,6 +270,67 @@ fn interface_addr(name: &str) -> Option<IpAddr> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    fn table(pairs: &[(&str, &str)]) -> impl Fn(&str) -> Option<String> {
+        let pairs: Vec<(String, String)> = pairs.iter().map(|&(n, v)| (n.to_owned(), v.to_owned())).collect();
+        move |name: &str| pairs.iter().find(|(n, _)| n == name).map(|(_, v)| v.clone())
+    }
+
+    #[test]
+    fn the_timeout_variable_sets_the_collective_timeout_only() {
+        let o = TcpOptions::from_lookup(table(&[("COHORT_TIMEOUT_MS", "1500")])).unwrap();
+        assert_eq!(o.timeout, Duration::from_millis(1500));
+        assert_eq!(o.init_timeout, TcpOptions::default().init_timeout);
+        let o = TcpOptions::from_lookup(table(&[("COHORT_INIT_TIMEOUT_MS", "700")])).unwrap();
+        assert_eq!((o.timeout, o.init_timeout), (DEFAULT_TIMEOUT, Duration::from_millis(700)));
+    }
+
+    #[test]
+    fn options_read_every_name_and_the_torch_aliases() {
+        let o = TcpOptions::from_lookup(table(&[
+            ("COHORT_HEARTBEAT_MS", "0"),
+            ("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1"),
+            ("COHORT_BUSY_POLL_US", "9"),
+            ("COHORT_IO_THREADS", "2"),
+            ("COHORT_BUFFER_POOL_MB", "1"),
+            ("TORCH_NCCL_TRACE_BUFFER_SIZE", "5"),
+            ("COHORT_CONNECTIONS_PER_PEER", "4"),
+            ("TORCH_GLOO_LAZY_INIT", "1"),
+            ("COHORT_DUMP_ON_FAILURE", "/tmp/fr_"),
+            ("COHORT_SOCKET_IFNAME", "lo"),
+        ]))
+        .unwrap();
+        assert_eq!(o.heartbeat, None);
+        assert_eq!(o.error_handling, ErrorHandling::from_level(1).unwrap());
+        assert_eq!(o.busy_poll, Duration::from_micros(9));
+        assert_eq!((o.io_threads, o.buffer_pool_bytes, o.trace_buffer_size), (2, 1 << 20, 5));
+        assert_eq!(o.connections_per_peer, 4);
+        assert!(o.lazy_connect);
+        assert_eq!(o.dump_prefix, Some(PathBuf::from("/tmp/fr_")));
+        assert_eq!(o.bind_addr, IpAddr::V4(Ipv4Addr::LOCALHOST));
+        let o = TcpOptions::from_lookup(table(&[("COHORT_HEARTBEAT_MS", "20"), ("COHORT_PEER_DEAD_AFTER_MS", "90")]))
+            .unwrap();
+        let hb = o.heartbeat.unwrap();
+        assert_eq!((hb.interval, hb.dead_after), (Duration::from_millis(20), Duration::from_millis(90)));
+    }
+
+    #[test]
+    fn malformed_values_are_errors_naming_the_variable() {
+        for (name, value, reason) in [
+            ("COHORT_TIMEOUT_MS", "10s", "invalid digit found in string"),
+            ("LOCAL_WORLD_SIZE", "two", "invalid digit found in string"),
+            ("COHORT_LAZY_INIT", "maybe", "expected 1 or 0"),
+            ("COHORT_CONNECTIONS_PER_PEER", "0", "expected 1 to 16"),
+            ("TORCH_NCCL_ASYNC_ERROR_HANDLING", "7", "expected 0 (no handling)"),
+        ] {
+            let e = TcpOptions::from_lookup(table(&[(name, value)])).unwrap_err();
+            assert_eq!(e.name(), name);
+            assert!(
+                e.to_string().starts_with(&format!("environment variable {name}={value:?} is invalid: {reason}")),
+                "{e}"
+            );
+        }
+    }
 
     #[test]
     fn io_threads_default_to_one_and_refuse_zero_or_too_many() {
