@@ -176,9 +176,13 @@ impl Diagnosis {
     }
 }
 
+/// A rank list as ranges (`[0-16, 18-4095]`): readable at thousands of ranks; `--json` keeps
+/// every rank.
 fn ranks_text(ranks: &[Rank]) -> String {
-    let list: Vec<String> = ranks.iter().map(Rank::to_string).collect();
-    format!("[{}]", list.join(", "))
+    let mut sorted = ranks.to_vec();
+    sorted.sort_unstable();
+    sorted.dedup();
+    crate::work::rank_ranges(&sorted)
 }
 
 fn groups_text(by: &BTreeMap<String, Vec<Rank>>) -> String {
@@ -602,7 +606,7 @@ mod tests {
         assert_eq!(f.culprits(), vec![Rank(2)]);
         assert_eq!(
             d.to_string(),
-            "pg 0 (default_pg): collective seq 4 (all_reduce): rank(s) [2] never joined it; rank(s) [0, 1, 3] are waiting in it\n  culprit rank(s): [2]"
+            "pg 0 (default_pg): collective seq 4 (all_reduce): rank(s) [2] never joined it; rank(s) [0-1, 3] are waiting in it\n  culprit rank(s): [2]"
         );
     }
 
@@ -724,7 +728,7 @@ mod tests {
         assert_eq!(d.findings.len(), 1, "{d}");
         assert_eq!(d.findings[0].culprits(), vec![Rank(2)], "{d}");
         assert!(
-            d.to_string().contains("no dump from rank(s) [2]; the failures recorded by rank(s) [0, 1, 3] blame rank 2"),
+            d.to_string().contains("no dump from rank(s) [2]; the failures recorded by rank(s) [0-1, 3] blame rank 2"),
             "{d}"
         );
         // A cut between {0, 1} and {2, 3}: each side sees itself near; the cut is the finding.
