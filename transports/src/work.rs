@@ -220,7 +220,7 @@ pub struct Work {
 
 /// The runtime's side of a [`Work`]: finishes it exactly once. Dropping it unfinished makes
 /// waiters see [`WorkError::Dropped`].
-pub struct WorkCompleter {
+pub(crate) struct WorkCompleter {
     shared: Arc<Shared>,
     hook: Option<CompletionHook>,
     done: bool,
@@ -228,7 +228,7 @@ pub struct WorkCompleter {
 
 impl Work {
     /// A new unfinished work and its completer.
-    pub fn pending(id: WorkId, seq: SeqNo, op: OpType, hook: Option<CompletionHook>) -> (Work, WorkCompleter) {
+    pub(crate) fn pending(id: WorkId, seq: SeqNo, op: OpType, hook: Option<CompletionHook>) -> (Work, WorkCompleter) {
         let shared = Arc::new(Shared {
             op,
             seq,
@@ -541,17 +541,17 @@ impl fmt::Debug for Work {
 
 impl WorkCompleter {
     /// Name the group and rank the work runs on, in its span.
-    pub fn in_group(&self, group: cohort_core::work::GroupId, rank: Rank) {
+    pub(crate) fn in_group(&self, group: cohort_core::work::GroupId, rank: Rank) {
         self.shared.span.record("group", group.0).record("rank", rank.0);
     }
 
     /// Record the rank a `recv_anysource` received from.
-    pub fn set_source_rank(&self, rank: Rank) {
+    pub(crate) fn set_source_rank(&self, rank: Rank) {
         *self.shared.source_rank.lock().unwrap_or_else(|p| p.into_inner()) = Some(rank);
     }
 
     /// Finish the work: wake every waiter, run the hook.
-    pub fn finish(self, result: WorkResult, lifecycle: Lifecycle, outputs: Vec<Tensor>) {
+    pub(crate) fn finish(self, result: WorkResult, lifecycle: Lifecycle, outputs: Vec<Tensor>) {
         let summary = WorkSummary {
             id: self.shared.id,
             seq: self.shared.seq,
@@ -564,7 +564,7 @@ impl WorkCompleter {
     }
 
     /// Finish the work from the core's summary.
-    pub fn finish_with(mut self, summary: WorkSummary, outputs: Vec<Tensor>) {
+    pub(crate) fn finish_with(mut self, summary: WorkSummary, outputs: Vec<Tensor>) {
         let info = WorkInfo {
             seq: summary.seq,
             op: summary.op,
