@@ -758,15 +758,12 @@ mod nccl {
     /// with timing always on (the JSON rows' `times_us` are the device's times).
     #[cfg(feature = "nccl")]
     pub(super) fn run_rank(args: &BenchArgs) -> Result<i32, String> {
-        use std::net::{IpAddr, Ipv4Addr, SocketAddr};
         use std::sync::Arc;
 
-        use cohort_transports::TokioNet;
         use cohort_transports::nccl::NcclOptions;
         use cohort_transports::nccl::cuda::{self, CudaDevice};
         use cohort_transports::nccl::device::version_text;
-        use cohort_transports::store::{Store, TcpStore, TcpStoreConfig, TcpStoreServer, TcpStoreServerConfig};
-        use cohort_transports::tcp::InitConfig;
+        use cohort_transports::tcp::{InitConfig, rendezvous_store};
 
         let cfg = InitConfig::from_env().map_err(|e| format!("init_process_group: {e}"))?;
         let count = cuda::device_count().map_err(|e| format!("--transport nccl: {e}"))?;
@@ -782,23 +779,9 @@ mod nccl {
             .build()
             .map_err(|e| format!("cannot start the runtime: {e}"))?;
         let (pg, _server) = runtime.block_on(async {
-            let server = if cfg.rank == 0 && cfg.host_store {
-                let bind = SocketAddr::new(IpAddr::V4(Ipv4Addr::UNSPECIFIED), cfg.master_port);
-                let server = TcpStoreServer::bind(TokioNet, TcpStoreServerConfig::new(bind))
-                    .await
-                    .map_err(|e| format!("rank 0 cannot host the store on port {}: {e}", cfg.master_port))?;
-                Some(server)
-            } else {
-                None
-            };
-            let client = TcpStore::connect(
-                TcpStoreConfig::new(cfg.master_addr.clone(), cfg.master_port)
-                    .with_connect_timeout(opts.init_timeout)
-                    .with_timeout(opts.init_timeout),
-            )
-            .await
-            .map_err(|e| format!("cannot reach the store at {}:{}: {e}", cfg.master_addr, cfg.master_port))?;
-            let store: Arc<dyn Store> = Arc::new(client);
+            let (store, server) = rendezvous_store(&cfg, opts.init_timeout)
+                .await
+                .map_err(|e| format!("the store at {}:{}: {e}", cfg.master_addr, cfg.master_port))?;
             let handle = tokio::runtime::Handle::current();
             let pg = NcclProcessGroup::new(device, store, "bench", cfg.rank, cfg.world_size, opts, handle)
                 .await

@@ -81,26 +81,38 @@ pub fn init_process_group_with(cfg: InitConfig, opts: TcpOptions) -> Result<Proc
         .map_err(InitError::Runtime)?;
     let runtime = Arc::new(runtime);
     let pg = runtime.block_on(async {
-        let server = if cfg.rank == 0 && cfg.host_store {
-            let bind = SocketAddr::new(IpAddr::V4(Ipv4Addr::UNSPECIFIED), cfg.master_port);
-            let server = TcpStoreServer::bind(TokioNet, TcpStoreServerConfig::new(bind))
-                .await
-                .map_err(|source| InitError::HostStore { port: cfg.master_port, source })?;
-            Some(server)
-        } else {
-            None
-        };
-        let client = TcpStore::connect(
-            TcpStoreConfig::new(cfg.master_addr.clone(), cfg.master_port)
-                .with_connect_timeout(opts.init_timeout)
-                .with_timeout(opts.init_timeout.max(Duration::from_secs(1))),
-        )
-        .await?;
-        let store: Arc<dyn Store> = Arc::new(client);
+        let (store, server) = rendezvous_store(&cfg, opts.init_timeout).await?;
         let pg = ProcessGroup::connect(TokioNet, store, cfg.rank, cfg.world_size, opts).await?;
         Ok::<_, InitError>(pg.with_owned(server, None))
     })?;
     Ok(pg.with_owned(None, Some(runtime)))
+}
+
+/// The job's store, as torchrun's env:// sets it up: rank 0 hosts it on `MASTER_PORT` (unless
+/// a launcher does, [`InitConfig::host_store`]) and every rank connects to
+/// `MASTER_ADDR:MASTER_PORT`, waiting up to `init_timeout`. Returns the client and, on the
+/// rank that hosts it, the server, which must live as long as the job. Any backend's group
+/// (TCP's, NCCL's) can be built on the client.
+pub async fn rendezvous_store(
+    cfg: &InitConfig,
+    init_timeout: Duration,
+) -> Result<(Arc<dyn Store>, Option<TcpStoreServer>), InitError> {
+    let server = if cfg.rank == 0 && cfg.host_store {
+        let bind = SocketAddr::new(IpAddr::V4(Ipv4Addr::UNSPECIFIED), cfg.master_port);
+        let server = TcpStoreServer::bind(TokioNet, TcpStoreServerConfig::new(bind))
+            .await
+            .map_err(|source| InitError::HostStore { port: cfg.master_port, source })?;
+        Some(server)
+    } else {
+        None
+    };
+    let client = TcpStore::connect(
+        TcpStoreConfig::new(cfg.master_addr.clone(), cfg.master_port)
+            .with_connect_timeout(init_timeout)
+            .with_timeout(init_timeout.max(Duration::from_secs(1))),
+    )
+    .await?;
+    Ok((Arc::new(client), server))
 }
 
 #[cfg(test)]

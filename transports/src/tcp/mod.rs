@@ -49,7 +49,7 @@ use tokio::sync::Notify;
 use tokio::task::JoinHandle;
 
 pub use device::{DeviceProcessGroup, DeviceSubmitError};
-pub use init::{InitConfig, init_process_group, init_process_group_with};
+pub use init::{InitConfig, init_process_group, init_process_group_with, rendezvous_store};
 pub use monitored::{MONITORED_BARRIER_TAG, MonitoredBarrierError};
 pub use options::{
     BUSY_POLL_MAX_BYTES, EnvError, MAX_CONNECTIONS_PER_PEER, MAX_IO_THREADS, TcpOptions, resolve_bind_addr,
