@@ -617,11 +617,18 @@ pub trait Communicator: Send + Sync + fmt::Debug + 'static {
     fn group_end(&self) -> Result<(), NcclError>;
     /// `ncclCommGetAsyncError`: success, in progress, or the error that broke it.
     fn async_error(&self) -> Result<NcclResult, NcclError>;
-    /// `ncclCommAbort`: callable from any thread, also while a call blocks. This rank's
-    /// queued NCCL work ends; the communicator refuses every later call. Aborting twice does
-    /// nothing.
+    /// `ncclCommAbort`: callable from any thread, also while a call blocks. This rank's NCCL
+    /// kernels that wait for peers end; the communicator refuses every later call. It returns
+    /// once the streams it launched on reached its launches, so a stream held by something
+    /// else (a host wait, a hung compute kernel) keeps it waiting: call it where waiting is
+    /// fine. Aborting twice does nothing more.
     fn abort(&self);
-    /// Whether [`Communicator::abort`] ran.
+    /// The part of [`Communicator::abort`] that never waits: from now on every call is
+    /// refused and [`Communicator::is_aborted`] is true; an implementation may also end its
+    /// waiting kernels here. [`Communicator::abort`] must still follow, to free the
+    /// communicator. Idempotent.
+    fn raise_abort(&self);
+    /// Whether [`Communicator::raise_abort`] or [`Communicator::abort`] ran.
     fn is_aborted(&self) -> bool;
     /// `ncclCommSplit`: ranks with `Some(color)` join that color's communicator ordered by
     /// `key`; `None` takes part without joining one. Every rank must call it.

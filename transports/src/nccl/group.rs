@@ -319,12 +319,13 @@ struct State<D: Device> {
 }
 
 /// What an input asks of the driver once the state lock is released.
-#[derive(Default)]
-struct Effects {
+struct Effects<D: Device> {
     finished: Vec<(WorkCompleter, WorkSummary)>,
     /// A failure that started here (to publish), or any failure or abort (to clean up).
     failed: Option<GroupFailure>,
     clean_up: bool,
+    /// Buffers of works that ended before their kernels: freed once the abort returned.
+    keep_until_aborted: Vec<Running<D>>,
     tear_down: Option<String>,
 }
 
@@ -355,6 +356,43 @@ struct Inner<D: Device> {
     monitor_fired: Arc<AtomicBool>,
     /// Splits and shrinks made from this group so far (they name the children).
     split_count: AtomicU64,
+    /// Whether `ncclCommAbort` was called, and whether it returned.
+    abort_gate: Arc<AbortGate>,
+}
+
+/// The one `ncclCommAbort` of a group, run on a thread of its own.
+///
+/// `ncclCommAbort` raises NCCL's abort flag at once, which ends NCCL's own kernels and any call
+/// blocked in NCCL, and then synchronizes NCCL's internal streams. Those streams wait on every
+/// stream the communicator enqueued on, so while something other than an NCCL kernel holds such
+/// a stream (a host-side wait, a hung compute kernel) the call does not return. Seen on an H200
+/// with NCCL 2.28.9: a collective queued behind a `cuStreamWaitValue32` kept `ncclCommAbort`
+/// waiting until the stream was released. So the watchdog never waits for it: works are
+/// finished, the recorder dumped and the failure published first, and the buffers the device
+/// may still use are let go only once the abort returned.
+#[derive(Default)]
+struct AbortGate {
+    started: AtomicBool,
+    done: Mutex<bool>,
+    finished: std::sync::Condvar,
+}
+
+impl AbortGate {
+    fn is_done(&self) -> bool {
+        *self.done.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+
+    fn finish(&self) {
+        *self.done.lock().unwrap_or_else(std::sync::PoisonError::into_inner) = true;
+        self.finished.notify_all();
+    }
+
+    fn wait(&self) {
+        let mut done = self.done.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+        while !*done {
+            done = self.finished.wait(done).unwrap_or_else(std::sync::PoisonError::into_inner);
+        }
+    }
 }
 
 /// A process group on NCCL (or its emulation), with c10d's lifecycle: asynchronous works, a
@@ -507,6 +545,7 @@ impl<D: Device> NcclProcessGroup<D> {
             stalled: Arc::new(AtomicBool::new(false)),
             monitor_fired: Arc::new(AtomicBool::new(false)),
             split_count: AtomicU64::new(0),
+            abort_gate: Arc::default(),
             opts,
         });
         crate::tcp::sigterm::register(Arc::downgrade(&inner) as Weak<dyn crate::tcp::sigterm::Report>);
@@ -565,9 +604,19 @@ impl<D: Device> NcclProcessGroup<D> {
         self.inner.comm.get().cloned()
     }
 
-    /// Whether the communicator was aborted.
+    /// Whether the communicator's abort has begun: it refuses every call from then on, though
+    /// `ncclCommAbort` itself may still wait for a stream held by something else (see
+    /// [`NcclProcessGroup::is_comm_abort_finished`]).
     pub fn is_comm_aborted(&self) -> bool {
-        self.inner.comm.get().is_some_and(|c| c.is_aborted())
+        self.inner.abort_gate.started.load(Ordering::SeqCst) || self.inner.comm.get().is_some_and(|c| c.is_aborted())
+    }
+
+    /// Whether `ncclCommAbort` returned. It synchronizes NCCL's internal streams, which wait on
+    /// every stream the communicator enqueued on, so a stream held by something other than an
+    /// NCCL kernel (a host wait, a hung compute kernel) keeps it waiting; the group's works,
+    /// dumps and failure reports do not wait for it.
+    pub fn is_comm_abort_finished(&self) -> bool {
+        self.inner.abort_gate.is_done()
     }
 
     /// Whether the monitor saw the watchdog stall (with [`MonitorAction::Report`]).
@@ -660,8 +709,10 @@ impl<D: Device> NcclProcessGroup<D> {
         Ok(())
     }
 
-    /// Aborts the group: the communicator first (`ncclCommAbort`, which returns even while an
-    /// enqueue blocks), then every unfinished work ends Aborted and later calls are refused.
+    /// Aborts the group: first the communicator's abort begins, on a thread of its own (its
+    /// flag ends an enqueue that blocks), then every unfinished work ends Aborted and later
+    /// calls are refused. It does not wait for `ncclCommAbort` to return
+    /// ([`NcclProcessGroup::is_comm_abort_finished`]).
     pub fn abort(&self, reason: &str) {
         self.inner.abort(reason);
     }
@@ -1254,12 +1305,15 @@ impl<D: Device> Inner<D> {
                 let r = Running { id, seq, is_p2p, start, end, started: false, since: t, _keep: keep };
                 if st.group.work_state(id).is_some() {
                     st.running.push_back(r);
-                } else if !st.comm_aborted {
+                } else {
                     // It ended while it was being enqueued (a timeout, an abort): its kernels
                     // may still run.
                     st.zombies.push(r);
                 }
             }
+            // Refused because this group's abort began: that abort ends every unfinished work
+            // (as Aborted, or with the group's failure), so this is not a failure of its own.
+            Err(NcclError::Aborted) if self.abort_gate.started.load(Ordering::SeqCst) => {}
             Err(e) => st.group.handle_completion(t, id, Completion::Failed { rank: None, message: e.to_string() }),
         });
         self.wake.notify_one();
@@ -1276,14 +1330,20 @@ impl<D: Device> Inner<D> {
         self.apply(fx);
     }
 
-    fn drain(&self, st: &mut State<D>) -> Effects {
-        let mut fx = Effects::default();
+    fn drain(&self, st: &mut State<D>) -> Effects<D> {
+        let mut fx = Effects {
+            finished: Vec::new(),
+            failed: None,
+            clean_up: false,
+            keep_until_aborted: Vec::new(),
+            tear_down: None,
+        };
         while let Some(ev) = st.group.poll_event() {
             match ev {
                 Event::WorkFinished(summary) => {
                     if let Some(pos) = st.running.iter().position(|r| r.id == summary.id) {
                         let r = st.running.remove(pos).expect("the position was just found");
-                        if !summary.result.is_success() && !st.comm_aborted {
+                        if !summary.result.is_success() {
                             st.zombies.push(r);
                         }
                     }
@@ -1304,17 +1364,17 @@ impl<D: Device> Inner<D> {
         while st.group.poll_transmit().is_some() {}
         if fx.clean_up && self.opts.error_handling != ErrorHandling::SkipCleanUp {
             st.comm_aborted = true;
-            st.zombies.clear();
+            fx.keep_until_aborted = std::mem::take(&mut st.zombies);
         }
         fx
     }
 
-    fn apply(self: &Arc<Self>, fx: Effects) {
-        if fx.clean_up
-            && self.opts.error_handling != ErrorHandling::SkipCleanUp
-            && let Some(c) = self.comm.get()
-        {
-            c.abort();
+    /// Acts on what the core decided. The abort comes first, as c10d's does, but only its part
+    /// that never waits happens here (see [`AbortGate`]): the works, the dump and the store
+    /// hear of the failure without waiting for the device.
+    fn apply(self: &Arc<Self>, fx: Effects<D>) {
+        if fx.clean_up && self.opts.error_handling != ErrorHandling::SkipCleanUp {
+            self.abort_comm(fx.keep_until_aborted);
         }
         if let Some(f) = &fx.failed {
             self.dump_recorder("failure");
@@ -1352,15 +1412,66 @@ impl<D: Device> Inner<D> {
     }
 
     fn abort(self: &Arc<Self>, reason: &str) {
-        // First the communicator, without any lock: this is what unblocks a stuck enqueue.
-        if let Some(c) = self.comm.get() {
-            c.abort();
-        }
+        // First the communicator, without any lock: its abort flag is what unblocks a stuck
+        // enqueue, which holds the state lock.
+        self.abort_comm(Vec::new());
         self.input(|st, t| {
             st.comm_aborted = true;
-            st.zombies.clear();
             st.group.handle_abort(t, reason.to_owned());
         });
+    }
+
+    /// `ncclCommAbort` on a thread of its own (once per group), then lets `keep` go: the
+    /// device may use those buffers until the abort returned. A later call only hands its
+    /// buffers to a thread that waits for that return.
+    fn abort_comm(self: &Arc<Self>, keep: Vec<Running<D>>) {
+        let Some(comm) = self.comm.get().cloned() else { return };
+        let gate = self.abort_gate.clone();
+        let first = !gate.started.swap(true, Ordering::SeqCst);
+        if first {
+            // What never waits happens here, in order with the rest of the driver (under the
+            // simulator, in the watchdog's task): calls are refused, waiting kernels end.
+            comm.raise_abort();
+        }
+        if !first && keep.is_empty() {
+            return;
+        }
+        if !first && gate.is_done() {
+            drop(keep);
+            return;
+        }
+        let rank = self.rank;
+        let job = move || {
+            if first {
+                let started = std::time::Instant::now();
+                comm.abort();
+                let took = started.elapsed();
+                if took > Duration::from_secs(1) {
+                    tracing::warn!(
+                        "rank {rank}: ncclCommAbort took {took:?}: a stream the communicator enqueued on was held by \
+                         something other than NCCL (a host wait, another kernel)"
+                    );
+                }
+                gate.finish();
+            } else {
+                gate.wait();
+            }
+            drop(keep);
+        };
+        // The abort flag must go up even if no thread can be had: then it runs here.
+        let spare = std::sync::Arc::new(Mutex::new(Some(job)));
+        let run = spare.clone();
+        let spawned = std::thread::Builder::new().name("cohort-nccl-abort".into()).spawn(move || {
+            if let Some(job) = run.lock().unwrap_or_else(std::sync::PoisonError::into_inner).take() {
+                job();
+            }
+        });
+        if let Err(e) = spawned {
+            tracing::warn!("rank {rank}: no thread for ncclCommAbort ({e}): aborting on the watchdog");
+            if let Some(job) = spare.lock().unwrap_or_else(std::sync::PoisonError::into_inner).take() {
+                job();
+            }
+        }
     }
 
     /// The watchdog's look at the device: events in issue order, the async error, deadlines.

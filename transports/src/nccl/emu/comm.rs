@@ -51,8 +51,10 @@ pub enum EmuFault {
     /// launch's start event (recorded after it, directly or behind a stream wait) never does and
     /// this rank never contributes. The hang lands on whichever stream that next operation uses
     /// (in the process group, the compute stream the NCCL stream waits on). An abort does not
-    /// free the stream (the hang is not NCCL's kernel), but it returns at once, and it disarms a
-    /// hang not placed yet. [`EmuDevice::hang_stream`] hangs one given stream instead.
+    /// free the stream (the hang is not NCCL's kernel), so it does not return while a launch of
+    /// this communicator is queued behind the hang (see [`Communicator::abort`] on
+    /// [`EmuComm`]); it disarms a hang not placed yet. [`EmuDevice::hang_stream`] hangs one
+    /// given stream instead.
     KernelHang,
     /// The kernel takes this much longer (on tokio's clock), then completes correctly.
     SlowKernel(Duration),
@@ -127,6 +129,8 @@ struct CommState {
     finalized: bool,
     /// Kernels launched and not ended.
     outstanding: u64,
+    /// Stream operations of launches that their streams have not reached yet.
+    queued: u64,
     collectives: u64,
     splits: u64,
     shrinks: u64,
@@ -150,6 +154,7 @@ impl CommInner {
                 dead: false,
                 finalized: false,
                 outstanding: 0,
+                queued: 0,
                 collectives: 0,
                 splits: 0,
                 shrinks: 0,
@@ -174,7 +179,8 @@ impl CommInner {
         self.aborted.load(Ordering::SeqCst)
     }
 
-    fn abort(&self) {
+    /// Everything an abort does but wait: later calls are refused, waiting kernels end.
+    fn raise_abort(&self) {
         let mut s = self.lock();
         if self.aborted.swap(true, Ordering::SeqCst) {
             return;
@@ -188,6 +194,17 @@ impl CommInner {
         drop(s);
         self.changed.notify_all();
         self.abort_signal.send_replace(true);
+    }
+
+    fn abort(&self) {
+        self.raise_abort();
+        // ncclCommAbort then synchronizes NCCL's own streams, which wait on every stream a
+        // launch was enqueued on: it returns once each launch was reached (and, aborted, ended
+        // at once). A stream held by something else keeps it waiting.
+        let mut s = self.lock();
+        while s.queued > 0 {
+            s = self.changed.wait(s).unwrap_or_else(PoisonError::into_inner);
+        }
     }
 
     /// Whether `call` may use the communicator now. NCCL's `ncclCommEnsureReady`: a
@@ -267,8 +284,10 @@ impl CommInner {
             ops.push((op, seq));
         }
         s.outstanding += 1;
+        s.queued += streams.len() as u64;
         drop(s);
         let guard = Outstanding(self.clone());
+        let mut queued: Vec<Queued> = streams.iter().map(|_| Queued(self.clone())).collect();
         let (primary, others) = streams.split_first().expect("a launch has at least one op");
         // NCCL joins every stream of a group: the kernel starts once all of them got there and
         // each of them goes on once it is done. The kernel runs on the first stream.
@@ -278,10 +297,12 @@ impl CommInner {
             let (arrive, arrived) = oneshot::channel::<()>();
             let (done_tx, done_rx) = oneshot::channel::<()>();
             let mut aborted = self.abort_signal.subscribe();
+            let reached = queued.pop().expect("one per stream");
             self.device.push_on(
                 other,
                 call,
                 Box::pin(async move {
+                    drop(reached);
                     drop(arrive);
                     tokio::select! {
                         biased;
@@ -295,10 +316,12 @@ impl CommInner {
         }
         let kernel = Kernel { comm: self.clone(), ops, fault, dead };
         let mut aborted = self.abort_signal.subscribe();
+        let reached = queued.pop().expect("one per stream");
         self.device.push_on(
             primary,
             call,
             Box::pin(async move {
+                drop(reached);
                 let _guard = guard;
                 let work = async move {
                     for a in arrivals {
@@ -422,6 +445,22 @@ impl Drop for Outstanding {
     }
 }
 
+/// Counts one stream operation of a launch as queued until its stream reaches it (or drops
+/// it): [`CommInner::abort`] waits for these.
+struct Queued(Arc<CommInner>);
+
+impl Drop for Queued {
+    fn drop(&mut self) {
+        let mut s = self.0.lock();
+        s.queued -= 1;
+        let none = s.queued == 0;
+        drop(s);
+        if none {
+            self.0.changed.notify_all();
+        }
+    }
+}
+
 /// `ncclCommInitRankConfig` on `dev`.
 pub(super) fn init(
     dev: &EmuDevice,
@@ -539,11 +578,22 @@ impl Communicator for EmuComm {
         })
     }
 
-    /// Returns at once, from any thread: pending kernels of this rank end without their data
-    /// (the stream goes on), a blocked `enqueue` returns `Aborted`, setup rendezvous stop.
-    /// Peers are not told: their kernels keep waiting, as they do for a real aborted rank.
+    /// From any thread: pending kernels of this rank end without their data (the stream goes
+    /// on), a blocked `enqueue` returns `Aborted`, setup rendezvous stop, and every later call
+    /// is refused at once. Then it waits until every stream this communicator launched on has
+    /// reached its launch, as `ncclCommAbort` does (it synchronizes NCCL's internal streams):
+    /// a launch queued behind a held stream ([`EmuDevice::block_stream`], a
+    /// [`EmuFault::KernelHang`]) keeps it from returning until the stream goes on, so call it
+    /// from a thread that may block. Peers are not told: their kernels keep waiting, as they do
+    /// for a real aborted rank.
     fn abort(&self) {
         self.inner.abort();
+    }
+
+    /// Refuses later calls and ends this rank's waiting kernels, without waiting for the
+    /// streams: deterministic under the simulator, where it runs on the watchdog's task.
+    fn raise_abort(&self) {
+        self.inner.raise_abort();
     }
 
     fn is_aborted(&self) -> bool {

@@ -475,7 +475,7 @@ async fn abort_ends_this_ranks_pending_kernel_while_the_peers_stays_pending() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn kernel_hang_stops_the_device_before_the_start_event_and_abort_still_returns() {
+async fn kernel_hang_stops_the_device_before_the_start_event_and_holds_abort() {
     let ranks = world(2).await;
     let bufs: Vec<_> = ranks.iter().map(|r| put(r, &f32b(&[1.0]))).collect();
     let before: Vec<_> = ranks.iter().map(mark).collect();
@@ -492,10 +492,22 @@ async fn kernel_hang_stops_the_device_before_the_start_event_and_abort_still_ret
     assert!(!completes(&a.dev, &marks[0].1, Duration::from_millis(10)).await);
     assert!(completes(&b.dev, &marks[1].0, Duration::from_secs(2)).await, "the peer started");
     assert!(!completes(&b.dev, &marks[1].1, Duration::from_millis(50)).await, "and waits for rank 0");
+    // The abort ends nothing on a stream a compute kernel holds, and waits for it as
+    // ncclCommAbort does: the launch is queued behind the hang for good. Calls are refused at once.
+    let (tx, rx) = std::sync::mpsc::channel();
+    let comm = a.comm.clone();
+    std::thread::spawn(move || {
+        comm.abort();
+        let _ = tx.send(());
+    });
     let started = std::time::Instant::now();
-    a.comm.abort();
-    assert!(started.elapsed() < Duration::from_secs(1));
+    while !a.comm.is_aborted() {
+        assert!(started.elapsed() < Duration::from_secs(2), "abort raised its flag");
+        tokio::time::sleep(Duration::from_millis(1)).await;
+    }
+    assert!(matches!(a.comm.enqueue(f32_sum(&bufs[0], 1), &a.s), Err(NcclError::Aborted)));
     assert!(!completes(&a.dev, &marks[0].1, Duration::from_millis(100)).await, "abort does not free a hung kernel");
+    assert!(rx.try_recv().is_err(), "abort waits for the stream the hang holds");
 
     // Queued behind another fault, it hangs the device right after the launch before it.
     let ranks = world(1).await;
