@@ -1,15 +1,21 @@
-//! Data-plane frames: the streaming decoder fed arbitrary bytes in arbitrary pieces, the
-//! fixed header decoder, and the control-message codec on every decoded frame. Never a panic;
-//! a decoded frame re-encodes to the bytes it came from; a decoded control message re-encodes
-//! to a frame that decodes to it again; nothing larger than the limit is ever announced as
-//! accepted.
+//! Data-plane frames: the streaming decoder the TCP transport reads with, fed arbitrary bytes in
+//! arbitrary pieces (handed over, or read into its own buffers as production does, with a small
+//! staging buffer so that payloads are read straight into theirs), with or without the
+//! connection's peer to check senders against; the fixed header decoder; and the
+//! control-message codec on every decoded frame. Never a panic; a decoded frame re-encodes to
+//! the bytes it came from; a decoded control message re-encodes to a frame that decodes to it
+//! again; nothing larger than the limit is ever accepted; no frame from another sender passes
+//! the source check.
 #![no_main]
 
-use cohort_core::protocol::{FrameDecoder, FrameHeader, FrameLimits, HEADER_LEN, decode_control, encode_control};
+use cohort_core::Rank;
+use cohort_core::protocol::{
+    FrameDecoder, FrameHeader, FrameLimits, FreshBuffers, HEADER_LEN, decode_control, encode_control,
+};
 use libfuzzer_sys::fuzz_target;
 
-fuzz_target!(|input: (u16, u32, &[u8])| {
-    let (piece, limit, bytes) = input;
+fuzz_target!(|input: (u16, u32, u16, &[u8])| {
+    let (piece, limit, mode, bytes) = input;
     let limits = FrameLimits::new(u64::from(limit % (1 << 20)));
     if let Some(head) = bytes.first_chunk::<HEADER_LEN>()
         && let Ok(h) = FrameHeader::decode(head, &limits)
@@ -17,14 +23,23 @@ fuzz_target!(|input: (u16, u32, &[u8])| {
         assert!(h.payload_len <= limits.max_payload);
         assert_eq!(&h.encode(), head, "a decoded header re-encodes to its bytes");
     }
-    let mut dec = FrameDecoder::new(limits);
+    let staging = HEADER_LEN + usize::from(mode >> 4) % 512;
+    let mut dec = FrameDecoder::with_buffers(limits, staging, FreshBuffers);
+    let source = (mode & 1 == 1).then(|| Rank(u32::from(mode >> 1) % 4));
+    if let Some(peer) = source {
+        dec = dec.expect_source(peer);
+    }
+    let read_into = mode & 2 == 2;
     let piece = usize::from(piece % 97) + 1;
-    for chunk in bytes.chunks(piece) {
-        dec.handle_bytes(chunk);
+    let check = |dec: &mut FrameDecoder| -> bool {
         while let Some(frame) = dec.poll_frame() {
             match frame {
                 Ok(f) => {
+                    assert_eq!(f.payload.len() as u64, f.header.payload_len);
                     assert!(f.payload.len() as u64 <= limits.max_payload);
+                    if let Some(peer) = source {
+                        assert_eq!(f.header.source, peer, "the source check let another sender through");
+                    }
                     let _ = f.text();
                     let world = f.header.step % 4096 + 1;
                     if let Ok(Some(msg)) = decode_control(f.header.kind, f.header.seq, &f.payload, world) {
@@ -32,8 +47,29 @@ fuzz_target!(|input: (u16, u32, &[u8])| {
                         assert_eq!(decode_control(again.kind, again.seq, &again.payload, world), Ok(Some(msg)));
                     }
                 }
-                Err(_) => return, // a clear error ends the stream
+                Err(_) => return false, // a clear error ends the stream
             }
+        }
+        true
+    };
+    for mut chunk in bytes.chunks(piece) {
+        if read_into {
+            while !chunk.is_empty() {
+                if !check(&mut dec) {
+                    return;
+                }
+                let buf = dec.read_buf();
+                assert!(!buf.is_empty(), "read_buf is never empty after a drain");
+                let n = buf.len().min(chunk.len());
+                buf[..n].copy_from_slice(&chunk[..n]);
+                dec.advance(n);
+                chunk = &chunk[n..];
+            }
+        } else {
+            dec.handle_bytes(chunk);
+        }
+        if !check(&mut dec) {
+            return;
         }
     }
     dec.handle_eof();

@@ -1,6 +1,6 @@
-//! Data-plane frames: the fixed header, its checks, and a streaming decoder.
+//! Data-plane frames: the fixed header and its checks (the streaming decoder is in
+//! `decoder.rs`).
 
-use std::collections::VecDeque;
 use std::fmt;
 
 use super::{PROTOCOL_VERSION, read_array};
@@ -18,9 +18,6 @@ pub const MAX_MESSAGE_LEN: u64 = 64 * 1024;
 
 /// Default [`FrameLimits::max_payload`]: 1 GiB.
 const DEFAULT_MAX_PAYLOAD: u64 = 1 << 30;
-
-/// How much [`FrameDecoder`] allocates for a payload before its bytes arrive.
-const INITIAL_PAYLOAD_CAPACITY: usize = 64 * 1024;
 
 /// What a frame carries. The wire code of each kind is given in its doc.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
@@ -256,7 +253,7 @@ impl FrameHeader {
     }
 }
 
-/// A whole frame, header and owned payload: what [`FrameDecoder`] yields.
+/// A whole frame, header and owned payload: what [`FrameDecoder`](super::FrameDecoder) yields.
 #[derive(Debug, Clone, PartialEq, Eq, Hash)]
 pub struct Frame {
     /// The header; `header.payload_len == payload.len()` for frames from the decoder.
@@ -397,178 +394,28 @@ pub enum FrameError {
         /// Payload bytes announced.
         expected: u64,
     },
-}
-
-/// A streaming frame decoder: bytes in, whole [`Frame`]s out.
-///
-/// Calling contract: feed bytes as they arrive with [`FrameDecoder::handle_bytes`] (split
-/// anywhere), then drain [`FrameDecoder::poll_frame`] until it returns `None`. At end of stream
-/// call [`FrameDecoder::handle_eof`] and drain once more: a frame cut short is reported.
-///
-/// Memory: the decoder holds the frames decoded and not yet polled (their bytes were received)
-/// and at most one partial payload, whose buffer grows with the bytes received (starting at
-/// 64 KiB or the bytes at hand) and never beyond the payload length the header announced, which
-/// was checked against [`FrameLimits`] first. A header announcing 2^60 bytes is refused before
-/// anything is allocated.
-///
-/// Failure is final: frames completed before the bad bytes are yielded first, then the error
-/// exactly once, then `None` forever; later input is ignored. [`FrameDecoder::error`] keeps
-/// the error for inspection.
-#[derive(Debug)]
-pub struct FrameDecoder {
-    limits: FrameLimits,
-    state: DecodeState,
-    ready: VecDeque<Frame>,
-    failure: Option<Failure>,
-}
-
-#[derive(Debug)]
-enum DecodeState {
-    /// Collecting the header's bytes.
-    Header { buf: [u8; HEADER_LEN], filled: usize },
-    /// Collecting `header.payload_len` payload bytes (`payload_len` fits a usize).
-    Payload { header: FrameHeader, payload: Vec<u8>, expected: usize },
-}
-
-#[derive(Debug)]
-struct Failure {
-    error: FrameError,
-    reported: bool,
-}
-
-impl FrameDecoder {
-    /// A decoder that accepts frames within `limits`.
-    pub fn new(limits: FrameLimits) -> Self {
-        FrameDecoder {
-            limits,
-            state: DecodeState::Header { buf: [0; HEADER_LEN], filled: 0 },
-            ready: VecDeque::new(),
-            failure: None,
-        }
-    }
-
-    /// The limits this decoder enforces.
-    pub fn limits(&self) -> FrameLimits {
-        self.limits
-    }
-
-    /// Feeds bytes received from the peer. May queue frames, or an error (after which the rest
-    /// of `bytes`, and every later call, is ignored). Drain [`FrameDecoder::poll_frame`] after.
-    pub fn handle_bytes(&mut self, mut bytes: &[u8]) {
-        while !bytes.is_empty() && self.failure.is_none() {
-            match &mut self.state {
-                DecodeState::Header { buf, filled } => {
-                    let take = (HEADER_LEN - *filled).min(bytes.len());
-                    buf[*filled..*filled + take].copy_from_slice(&bytes[..take]);
-                    *filled += take;
-                    bytes = &bytes[take..];
-                    if *filled == HEADER_LEN {
-                        let header_bytes = *buf;
-                        self.start_frame(&header_bytes, bytes.len());
-                    }
-                }
-                DecodeState::Payload { header, payload, expected } => {
-                    let take = (*expected - payload.len()).min(bytes.len());
-                    grow_payload(payload, take, *expected);
-                    payload.extend_from_slice(&bytes[..take]);
-                    bytes = &bytes[take..];
-                    if payload.len() == *expected {
-                        let header = *header;
-                        let payload = std::mem::take(payload);
-                        self.finish_frame(header, payload);
-                    }
-                }
-            }
-        }
-    }
-
-    /// Tells the decoder the stream ended. Queues [`FrameError::TruncatedHeader`] or
-    /// [`FrameError::TruncatedPayload`] if it ended inside a frame; otherwise queues nothing.
-    pub fn handle_eof(&mut self) {
-        if self.failure.is_some() {
-            return;
-        }
-        let error = match &self.state {
-            DecodeState::Header { filled: 0, .. } => return,
-            DecodeState::Header { filled, .. } => FrameError::TruncatedHeader { received: *filled },
-            DecodeState::Payload { header, payload, .. } => FrameError::TruncatedPayload {
-                kind: header.kind,
-                received: payload.len() as u64,
-                expected: header.payload_len,
-            },
-        };
-        self.fail(error);
-    }
-
-    /// The next decoded frame, or the decoder's error (once), or `None` when nothing is ready.
-    /// Call after every [`FrameDecoder::handle_bytes`] until it returns `None`.
-    pub fn poll_frame(&mut self) -> Option<Result<Frame, FrameError>> {
-        if let Some(frame) = self.ready.pop_front() {
-            return Some(Ok(frame));
-        }
-        match &mut self.failure {
-            Some(failure) if !failure.reported => {
-                failure.reported = true;
-                Some(Err(failure.error.clone()))
-            }
-            _ => None,
-        }
-    }
-
-    /// The error that stopped this decoder, if one did.
-    pub fn error(&self) -> Option<&FrameError> {
-        self.failure.as_ref().map(|f| &f.error)
-    }
-
-    /// Whether the decoder stands between frames: no partial header or payload buffered. True
-    /// at a clean end of stream.
-    pub fn is_between_frames(&self) -> bool {
-        matches!(self.state, DecodeState::Header { filled: 0, .. })
-    }
-
-    /// A full header arrived: validate it and start its payload. `at_hand` is how many more
-    /// bytes the current input holds, used to size the payload buffer.
-    fn start_frame(&mut self, bytes: &[u8; HEADER_LEN], at_hand: usize) {
-        let header = match FrameHeader::decode(bytes, &self.limits) {
-            Ok(header) => header,
-            Err(error) => return self.fail(error),
-        };
-        let Ok(expected) = usize::try_from(header.payload_len) else {
-            // Only reachable where usize is narrower than the configured limit.
-            let limit = usize::MAX as u64;
-            return self.fail(FrameError::PayloadTooLarge { len: header.payload_len, limit });
-        };
-        if expected == 0 {
-            self.finish_frame(header, Vec::new());
-        } else {
-            let capacity = expected.min(at_hand.max(INITIAL_PAYLOAD_CAPACITY));
-            let payload = Vec::with_capacity(capacity);
-            self.state = DecodeState::Payload { header, payload, expected };
-        }
-    }
-
-    fn finish_frame(&mut self, header: FrameHeader, payload: Vec<u8>) {
-        self.ready.push_back(Frame { header, payload });
-        self.state = DecodeState::Header { buf: [0; HEADER_LEN], filled: 0 };
-    }
-
-    fn fail(&mut self, error: FrameError) {
-        self.failure = Some(Failure { error, reported: false });
-    }
-}
-
-/// Makes room for `take` more bytes in `payload`, doubling but never past `expected`.
-fn grow_payload(payload: &mut Vec<u8>, take: usize, expected: usize) {
-    let needed = payload.len() + take;
-    if needed > payload.capacity() {
-        let target = needed.max(payload.capacity().saturating_mul(2)).min(expected);
-        payload.reserve_exact(target - payload.len());
-    }
+    /// A frame on a connection with one peer names another as its source.
+    #[error("frame claims to come from rank {claimed} on the connection with rank {expected}")]
+    WrongSource {
+        /// The connection's peer.
+        expected: Rank,
+        /// The source the header names.
+        claimed: Rank,
+    },
+    /// No buffer could be had for a payload within the limits.
+    #[error("cannot allocate {len} bytes for a {kind} frame's payload")]
+    PayloadAlloc {
+        /// The frame's kind.
+        kind: FrameKind,
+        /// The payload length announced.
+        len: u64,
+    },
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::protocol::FrameDecoder;
 
     fn header_bytes(header: &FrameHeader) -> [u8; HEADER_LEN] {
         header.encode()
@@ -772,33 +619,7 @@ mod tests {
         let mut decoder = FrameDecoder::new(FrameLimits::default());
         decoder.handle_bytes(&header.encode());
         assert!(matches!(decoder.poll_frame(), Some(Err(FrameError::PayloadTooLarge { .. }))));
-        assert!(matches!(decoder.state, DecodeState::Header { .. }));
-    }
-
-    #[test]
-    fn decoder_grows_a_partial_payload_only_with_the_bytes_received() {
-        let mut header = sample();
-        header.payload_len = 1 << 30;
-        let mut decoder = FrameDecoder::new(FrameLimits::default());
-        decoder.handle_bytes(&header.encode());
-        decoder.handle_bytes(&[1; 10]);
-        let DecodeState::Payload { payload, .. } = &decoder.state else { panic!("expected a payload state") };
-        assert_eq!(payload.capacity(), INITIAL_PAYLOAD_CAPACITY);
-        decoder.handle_bytes(&vec![2; 200_000]);
-        let DecodeState::Payload { payload, .. } = &decoder.state else { panic!("expected a payload state") };
-        assert_eq!(payload.len(), 200_010);
-        assert!(payload.capacity() <= 2 * 200_010, "capacity {}", payload.capacity());
-        assert_eq!(decoder.poll_frame(), None);
-    }
-
-    #[test]
-    fn decoder_never_allocates_past_the_announced_payload() {
-        let mut payload = Vec::with_capacity(10);
-        grow_payload(&mut payload, 10, 100);
-        assert!(payload.capacity() >= 10);
-        payload.extend_from_slice(&[0; 10]);
-        grow_payload(&mut payload, 90, 100);
-        assert_eq!(payload.capacity(), 100);
+        assert!(decoder.is_between_frames(), "nothing was kept of it");
     }
 
     #[test]

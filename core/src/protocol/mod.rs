@@ -28,8 +28,9 @@
 //! [`FrameHeader::decode`] checks the magic, the version, the kind, the payload length against
 //! [`FrameLimits::max_payload`] (1 GiB by default), that heartbeat and goodbye frames carry no
 //! payload, and that error and abort messages (UTF-8 text, see [`decode_message`]) are at most
-//! [`MAX_MESSAGE_LEN`] bytes. [`FrameDecoder`] is a streaming decoder over the same format, for
-//! tests, fuzzing and paths where a copy does not matter.
+//! [`MAX_MESSAGE_LEN`] bytes. [`FrameDecoder`] is the streaming decoder over the same format:
+//! the TCP transport reads every connection with it (large payloads straight into pooled
+//! buffers, the sender checked against the connection's peer), and the fuzzers drive it.
 //!
 //! # Handshake
 //!
@@ -67,15 +68,17 @@
 //! accept.
 
 mod control;
+mod decoder;
 mod failure;
 mod frame;
 mod handshake;
 
 pub use control::{ControlError, ControlFrame, decode_control, encode_control};
+pub use decoder::{DEFAULT_STAGING, FrameDecoder, FreshBuffers, PayloadBuffers};
 pub use failure::{FailureRecord, ProgressRecord, RecordError};
 pub use frame::{
-    FRAME_MAGIC, Fingerprint, Frame, FrameDecoder, FrameError, FrameHeader, FrameKind, FrameLimits, HEADER_LEN,
-    MAX_MESSAGE_LEN, decode_message, truncate_message,
+    FRAME_MAGIC, Fingerprint, Frame, FrameError, FrameHeader, FrameKind, FrameLimits, HEADER_LEN, MAX_MESSAGE_LEN,
+    decode_message, truncate_message,
 };
 pub use handshake::{
     AuthToken, HANDSHAKE_LEN, HANDSHAKE_MAGIC, Handshake, HandshakeError, HandshakeExpectation, HandshakeReply,

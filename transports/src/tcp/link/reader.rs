@@ -1,15 +1,16 @@
-//! The receive side of a connection: [`Assembler`], a sans-IO frame assembler that turns
-//! whatever the reads deliver into validated frames, and [`run_reader`], the reader task that
-//! drives it from an async stream.
+//! The receive side of a connection: [`Assembler`], which turns whatever the reads deliver into
+//! the driver's [`Inbound`] through core's sans-IO [`FrameDecoder`], and [`run_reader`], the
+//! reader task that drives it from an async stream.
 //!
 //! Why sans-IO: the same assembler serves the reader task and, on a real socket, threads that
 //! busy-poll the socket themselves (see `socket.rs`); both read into [`Assembler::read_buf`] and
 //! take frames from [`Assembler::poll_frame`]. A large payload is read straight into a pooled
 //! buffer of its own, never copied out of the staging buffer.
 
+use std::collections::TryReserveError;
 use std::io;
 
-use cohort_core::protocol::{FrameHeader, FrameKind, FrameLimits, HEADER_LEN};
+use cohort_core::protocol::{Frame, FrameDecoder, FrameError, FrameKind, FrameLimits, PayloadBuffers};
 use cohort_core::work::Rank;
 use tokio::io::{AsyncRead, AsyncReadExt};
 
@@ -57,42 +58,28 @@ pub(crate) async fn run_reader<R>(
     }
 }
 
-/// Turns the bytes of one connection into frames, whatever the reads deliver (sans-IO: the
-/// caller reads into [`Assembler::read_buf`], reports [`Assembler::advance`], then takes what
-/// became complete from [`Assembler::poll_frame`]).
+/// One connection's frames, as the driver wants them: core's [`FrameDecoder`] (the decoder the
+/// fuzzers drive) reading into pooled payload buffers and checking every frame's sender
+/// against the connection's peer, with a goodbye or a malformed frame turned into the
+/// connection's last word (sans-IO: the caller reads into [`Assembler::read_buf`], reports
+/// [`Assembler::advance`], then takes what became complete from [`Assembler::poll_frame`]).
 pub(crate) struct Assembler {
     from: Rank,
-    limits: FrameLimits,
-    pool: BufferPool,
-    buf: Box<[u8]>,
-    start: usize,
-    end: usize,
-    /// A frame whose header has arrived: its header, its payload buffer, bytes of it filled.
-    partial: Option<(FrameHeader, Vec<u8>, usize)>,
-    /// The last read_buf was the partial payload itself.
-    direct: bool,
-    /// The last frame's payload was read (at least partly) straight into its own buffer: the
-    /// next read takes only the next header, so that a large payload after it is read straight
-    /// into its buffer too rather than partly into the staging buffer and copied from there.
-    after_large: bool,
+    decoder: FrameDecoder<BufferPool>,
     /// A last frame (goodbye, malformed) was returned: nothing more comes.
     ended: bool,
 }
 
+impl PayloadBuffers for BufferPool {
+    fn take(&mut self, len: usize) -> Result<Vec<u8>, TryReserveError> {
+        BufferPool::take(self, len)
+    }
+}
+
 impl Assembler {
     pub(crate) fn new(from: Rank, limits: FrameLimits, pool: BufferPool) -> Self {
-        Assembler {
-            from,
-            limits,
-            pool,
-            buf: vec![0; STAGING].into_boxed_slice(),
-            start: 0,
-            end: 0,
-            partial: None,
-            direct: false,
-            after_large: false,
-            ended: false,
-        }
+        let decoder = FrameDecoder::with_buffers(limits, STAGING, pool).expect_source(from);
+        Assembler { from, decoder, ended: false }
     }
 
     /// The next complete frame, if the bytes read so far hold one. `Err` is the connection's
@@ -101,61 +88,20 @@ impl Assembler {
         if self.ended {
             return None;
         }
-        loop {
-            if let Some((_, payload, got)) = &mut self.partial {
-                if *got < payload.len() {
-                    let n = (self.end - self.start).min(payload.len() - *got);
-                    if n == 0 {
-                        return None;
-                    }
-                    payload[*got..*got + n].copy_from_slice(&self.buf[self.start..self.start + n]);
-                    self.start += n;
-                    *got += n;
-                    continue;
-                }
-                let (header, payload, _) = self.partial.take()?;
-                return Some(self.complete(header, payload));
-            }
-            if self.end - self.start < HEADER_LEN {
-                return None;
-            }
-            let from = self.from;
-            let mut head = [0u8; HEADER_LEN];
-            head.copy_from_slice(&self.buf[self.start..self.start + HEADER_LEN]);
-            self.start += HEADER_LEN;
-            let header = match FrameHeader::decode(&head, &self.limits) {
-                Ok(h) => h,
-                Err(e) => return Some(self.last(format!("malformed frame from rank {from}: {e}"), false)),
-            };
-            if header.source != from {
-                let claim = header.source;
-                return Some(
-                    self.last(format!("frame on rank {from}'s connection claims to come from rank {claim}"), false),
-                );
-            }
-            // The length was checked against the frame limit by decode.
-            let len = usize::try_from(header.payload_len).unwrap_or(usize::MAX);
-            self.after_large = false;
-            if len == 0 {
-                return Some(self.complete(header, Vec::new()));
-            }
-            match self.pool.take(len) {
-                Ok(payload) => self.partial = Some((header, payload, 0)),
-                Err(e) => {
-                    return Some(
-                        self.last(format!("cannot allocate {len} bytes for a frame from rank {from}: {e}"), false),
-                    );
-                }
-            }
-        }
-    }
-
-    fn complete(&mut self, header: FrameHeader, payload: Vec<u8>) -> Result<Inbound, Inbound> {
         let from = self.from;
-        if header.kind == FrameKind::Goodbye {
-            return self.last(format!("rank {from} closed the connection"), true);
+        match self.decoder.poll_frame()? {
+            Ok(Frame { header, .. }) if header.kind == FrameKind::Goodbye => {
+                Some(self.last(format!("rank {from} closed the connection"), true))
+            }
+            Ok(Frame { header, payload }) => Some(Ok(Inbound::Frame { from, header, payload })),
+            Err(FrameError::WrongSource { claimed, .. }) => {
+                Some(self.last(format!("frame on rank {from}'s connection claims to come from rank {claimed}"), false))
+            }
+            Err(FrameError::PayloadAlloc { len, .. }) => {
+                Some(self.last(format!("cannot allocate {len} bytes for a frame from rank {from}"), false))
+            }
+            Err(e) => Some(self.last(format!("malformed frame from rank {from}: {e}"), false)),
         }
-        Ok(Inbound::Frame { from, header, payload })
     }
 
     fn last(&mut self, reason: String, clean: bool) -> Result<Inbound, Inbound> {
@@ -166,41 +112,17 @@ impl Assembler {
     /// Where the next read goes (never empty). Call [`Assembler::poll_frame`] until `None`
     /// first.
     pub(crate) fn read_buf(&mut self) -> &mut [u8] {
-        let buffered = self.end - self.start;
-        let header_only = self.after_large && self.partial.is_none() && buffered < HEADER_LEN;
-        if let Some((_, payload, got)) = &mut self.partial
-            && buffered == 0
-            && payload.len() - *got >= self.buf.len()
-        {
-            self.direct = true;
-            return &mut payload[*got..];
-        }
-        self.direct = false;
-        if self.start > 0 {
-            self.buf.copy_within(self.start..self.end, 0);
-            self.end = buffered;
-            self.start = 0;
-        }
-        if header_only {
-            return &mut self.buf[buffered..HEADER_LEN];
-        }
-        &mut self.buf[self.end..]
+        self.decoder.read_buf()
     }
 
     /// `n` bytes were read into the last [`Assembler::read_buf`].
     pub(crate) fn advance(&mut self, n: usize) {
-        match &mut self.partial {
-            Some((_, _, got)) if self.direct => {
-                *got += n;
-                self.after_large = true;
-            }
-            _ => self.end = (self.end + n).min(self.buf.len()),
-        }
+        self.decoder.advance(n);
     }
 
     /// What the end of the stream means here.
     pub(crate) fn eof(&self) -> Inbound {
-        let between = self.partial.is_none() && self.end == self.start;
+        let between = self.decoder.is_between_frames();
         let e = io::Error::from(io::ErrorKind::UnexpectedEof);
         Inbound::Closed { from: self.from, reason: describe_read_error(&e, between), clean: false }
     }
@@ -225,6 +147,8 @@ fn describe_read_error(e: &io::Error, between_frames: bool) -> String {
 #[cfg(test)]
 mod tests {
     use cohort_core::work::Rank;
+
+    use cohort_core::protocol::{FrameHeader, HEADER_LEN};
 
     use super::super::test_util::{assemble, data, reason, wire};
     use super::*;
@@ -256,31 +180,6 @@ mod tests {
         assert_eq!(reason(last).0, "frame on rank 1's connection claims to come from rank 2");
         let (_, last) = assemble(&[0xAB; HEADER_LEN], &[64]);
         assert!(reason(last).0.starts_with("malformed frame from rank 1: "));
-    }
-
-    #[test]
-    fn after_a_payload_read_straight_into_its_buffer_the_next_read_takes_only_the_next_header() {
-        let frames = [data(1, STAGING * 2, 1), data(2, STAGING * 2, 2), data(3, 5, 3), data(4, 7, 4)];
-        let bytes = wire(&frames);
-        let mut asm = Assembler::new(Rank(1), FrameLimits::new(1 << 30), BufferPool::default());
-        let (mut at, mut sizes, mut got) = (0, Vec::new(), Vec::new());
-        while at < bytes.len() {
-            let buf = asm.read_buf();
-            let n = buf.len().min(bytes.len() - at);
-            buf[..n].copy_from_slice(&bytes[at..at + n]);
-            asm.advance(n);
-            at += n;
-            sizes.push(n);
-            while let Some(Ok(Inbound::Frame { header, payload, .. })) = asm.poll_frame() {
-                got.push((header, payload));
-            }
-        }
-        assert_eq!(got, frames);
-        // The first read fills the staging buffer (header and the start of payload 1), the rest of
-        // payload 1 goes straight in; then header 2 alone, payload 2 straight in; then header 3
-        // alone, and what is left (small frames) through the staging buffer in one read.
-        let p = STAGING * 2;
-        assert_eq!(sizes, vec![STAGING, p - (STAGING - HEADER_LEN), HEADER_LEN, p, HEADER_LEN, 5 + HEADER_LEN + 7]);
     }
 
     proptest::proptest! {
