@@ -203,7 +203,8 @@ pub(crate) fn run(args: BenchArgs) -> Result<i32, String> {
     if args.op.reduces() && args.dtype == DType::Bool && args.redop == ReduceOp::Avg {
         return Err("-r avg is not defined for -d bool".into());
     }
-    let in_rank = std::env::var("RANK").is_ok() && std::env::var("WORLD_SIZE").is_ok();
+    let vars = cohort_transports::Env::process();
+    let in_rank = vars.is_set(cohort_transports::env::RANK) && vars.is_set(cohort_transports::env::WORLD_SIZE);
     match args.transport {
         Transport::Tcp if in_rank => run_tcp_rank(&args),
         #[cfg(feature = "nccl")]
@@ -767,7 +768,7 @@ mod nccl {
 
         let cfg = InitConfig::from_env().map_err(|e| format!("init_process_group: {e}"))?;
         let count = cuda::device_count().map_err(|e| format!("--transport nccl: {e}"))?;
-        let explicit = std::env::var("COHORT_CUDA_DEVICE").ok();
+        let explicit = cohort_transports::Env::process().string(cohort_transports::env::CUDA_DEVICE);
         let ordinal = device_ordinal(explicit.as_deref(), cfg.local_rank, count)?;
         let device = Arc::new(CudaDevice::new(ordinal).map_err(|e| format!("CUDA device {ordinal}: {e}"))?);
         let mut opts = NcclOptions::from_env().map_err(|e| e.to_string())?;

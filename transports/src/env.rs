@@ -99,6 +99,10 @@ vars! {
     HEARTBEAT_TIMEOUT_SEC = ["COHORT_HEARTBEAT_TIMEOUT_SEC", "TORCH_NCCL_HEARTBEAT_TIMEOUT_SEC"];
     /// NCCL: whether the monitor aborts the process.
     MONITOR_ABORT = ["COHORT_MONITOR_ABORT"];
+    /// NCCL: the CUDA device of this rank (default: the local rank).
+    CUDA_DEVICE = ["COHORT_CUDA_DEVICE"];
+    /// Whether a SIGTERM prints where each group was (default on).
+    SIGTERM_REPORT = ["COHORT_SIGTERM_REPORT"];
 }
 
 /// An environment variable that is missing or does not parse.

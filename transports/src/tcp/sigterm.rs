@@ -41,8 +41,7 @@ use cohort_core::work::{GroupId, Rank, rank_ranges};
 use signal_hook::consts::signal::SIGTERM;
 use signal_hook::iterator::Signals;
 
-/// The variable that turns the report off (`0`).
-pub(crate) const ENV: &str = "COHORT_SIGTERM_REPORT";
+use crate::env::{self, Env};
 
 /// How long the report waits for a group's state lock before it calls the group busy.
 pub(crate) const LOCK_WAIT: Duration = Duration::from_millis(500);
@@ -80,10 +79,11 @@ pub(crate) fn register(group: Weak<dyn Report>) {
 
 /// Install the handler and its thread; whether it was.
 fn install() -> bool {
-    match std::env::var(ENV).as_deref().map(str::trim) {
-        Ok("0") => return false,
-        Ok("1" | "") | Err(_) => {}
-        Ok(other) => tracing::warn!("{ENV}={other:?} is neither 0 nor 1: the SIGTERM report stays on"),
+    match Env::process().flag(env::SIGTERM_REPORT) {
+        Ok(Some(false)) => return false,
+        Ok(Some(true) | None) => {}
+        // A malformed value must not turn off the one report a killed job leaves.
+        Err(e) => tracing::warn!("{e}: the SIGTERM report stays on"),
     }
     if !sigterm_is_default() {
         tracing::debug!("SIGTERM already has a handler (or is ignored): no SIGTERM report");
