@@ -18,7 +18,7 @@ use cohort_sim::{Backend, FaultPlan, Script, Simulation};
     partition:A-B@t=T | isolate:R@t=T | cut:A..B@t=T (ranks A to B-1 from the others) |\n\
     hold:A-B@t=T | slow:R@100ms | desync-op:R@seqN | desync-size:R@seqN | desync-dtype:R@seqN |\n\
     store-crash@t=T; with --backend nccl also\n\
-    kernel-hang:R@seqN | nccl-error:R@seqN | slow-kernel:R@seqN; or the long form of the README\n\
+    kernel-hang:R@seqN | nccl-error:R@seqN | slow-kernel:R@seqN; or the long form (docs/simulator.md)\n\
     ('hold 0-1 @10ms until 300ms', 'desync 1 @collective 2 dtype=f16', 'latency 0-1 20ms').\n\
     seqN is the N-th collective of the script. The same seed gives the same output.")]
 pub(crate) struct SimArgs {

@@ -2,7 +2,7 @@
 //!
 //! The runtime that drives `cohort-core` over real sockets and devices: the `ProcessGroup` and
 //! `Work` API, the TCPStore-compatible store, the TCP backend and (feature `nccl`) the NCCL
-//! backend. Under construction: see the README for what works today.
+//! backend. The README is the manual; `docs/` holds the design.
 //!
 //! | module | what it owns |
 //! |---|---|
