@@ -82,8 +82,11 @@ pub(crate) fn run(args: FrArgs) -> Result<i32, String> {
     }
 }
 
+/// The dumps' ranks as ranges (`[0-16, 18-4095]`): a list of thousands stays one short line.
 fn rank_list(dumps: &[(Rank, Dump)]) -> String {
-    dumps.iter().map(|(r, _)| r.to_string()).collect::<Vec<_>>().join(", ")
+    let mut ranks: Vec<Rank> = dumps.iter().map(|(r, _)| *r).collect();
+    ranks.sort_unstable();
+    cohort_core::work::rank_ranges(&ranks)
 }
 
 fn load_file(path: &Path) -> Result<Dump, String> {

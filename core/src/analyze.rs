@@ -467,11 +467,12 @@ fn first_disagreement(
     let at = |seq: u64| {
         let present: Vec<(Rank, &DumpEntry)> =
             by_rank.iter().filter_map(|(r, m)| m.get(&seq).map(|e| (*r, *e))).collect();
-        let mut by_op: BTreeMap<String, Vec<Rank>> = BTreeMap::new();
+        // Keyed by borrowed names: this runs for every rank at every seq of the dumps.
+        let mut by_op: BTreeMap<&str, Vec<Rank>> = BTreeMap::new();
         for (r, e) in &present {
-            by_op.entry(op_name(e).to_owned()).or_default().push(*r);
+            by_op.entry(op_name(e)).or_default().push(*r);
         }
-        let op = by_op.iter().max_by_key(|(_, r)| r.len()).map(|(k, _)| k.clone()).unwrap_or_default();
+        let op = by_op.iter().max_by_key(|(_, r)| r.len()).map(|(k, _)| (*k).to_owned()).unwrap_or_default();
         (present, by_op, op)
     };
     let finding = |seq: u64, op: String, kind| Some(Finding { pg_id, pg_desc: pg_desc.to_owned(), seq, op, kind });
@@ -482,8 +483,15 @@ fn first_disagreement(
     for seq in start..=end {
         let (present, by_op, op) = at(seq);
         if by_op.len() > 1 {
+            let by_op = by_op.into_iter().map(|(k, v)| (k.to_owned(), v)).collect();
             return finding(seq, op, FindingKind::OpMismatch { by_op });
         }
+        // Texts to group by are made only where the ranks disagree: agreement, the common
+        // case, is one comparison per rank.
+        let first = present.first().map(|(_, e)| *e);
+        let all_same = |same: &dyn Fn(&DumpEntry, &DumpEntry) -> bool| {
+            first.is_none_or(|f| present.iter().all(|(_, e)| same(f, e)))
+        };
         let group_by = |key: &dyn Fn(&DumpEntry) -> String| {
             let mut by: BTreeMap<String, Vec<Rank>> = BTreeMap::new();
             for (r, e) in &present {
@@ -491,12 +499,12 @@ fn first_disagreement(
             }
             by
         };
-        let by_size = group_by(&|e| format!("{:?}", e.input_sizes));
-        if by_size.len() > 1 {
+        if !all_same(&|a, b| a.input_sizes == b.input_sizes) {
+            let by_size = group_by(&|e| format!("{:?}", e.input_sizes));
             return finding(seq, op, FindingKind::SizeMismatch { by_size });
         }
-        let by_dtype = group_by(&|e| format!("{:?}", e.input_dtypes));
-        if by_dtype.len() > 1 {
+        if !all_same(&|a, b| a.input_dtypes == b.input_dtypes) {
+            let by_dtype = group_by(&|e| format!("{:?}", e.input_dtypes));
             return finding(seq, op, FindingKind::DtypeMismatch { by_dtype });
         }
     }
