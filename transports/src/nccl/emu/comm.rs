@@ -286,8 +286,8 @@ impl CommInner {
         s.outstanding += 1;
         s.queued += streams.len() as u64;
         drop(s);
-        let guard = Outstanding(self.clone());
-        let mut queued: Vec<Queued> = streams.iter().map(|_| Queued(self.clone())).collect();
+        let guard = Counted::outstanding(self);
+        let mut queued: Vec<Counted> = streams.iter().map(|_| Counted::queued(self)).collect();
         let (primary, others) = streams.split_first().expect("a launch has at least one op");
         // NCCL joins every stream of a group: the kernel starts once all of them got there and
         // each of them goes on once it is done. The kernel runs on the first stream.
@@ -430,33 +430,34 @@ fn fabric_result(e: &NcclError) -> NcclResult {
     }
 }
 
-/// Counts a kernel as outstanding until it ends or is dropped.
-struct Outstanding(Arc<CommInner>);
+/// One count of the communicator's state, taken back when dropped; threads waiting on the
+/// state are woken when it reaches zero. `Counted::outstanding`: a kernel until it ends or is
+/// dropped (finalize waits for these). `Counted::queued`: one stream operation of a launch
+/// until its stream reaches it or drops it (abort waits for these). The caller has counted it.
+struct Counted {
+    comm: Arc<CommInner>,
+    count: fn(&mut CommState) -> &mut u64,
+}
 
-impl Drop for Outstanding {
-    fn drop(&mut self) {
-        let mut s = self.0.lock();
-        s.outstanding -= 1;
-        let idle = s.outstanding == 0;
-        drop(s);
-        if idle {
-            self.0.changed.notify_all();
-        }
+impl Counted {
+    fn outstanding(comm: &Arc<CommInner>) -> Counted {
+        Counted { comm: comm.clone(), count: |s| &mut s.outstanding }
+    }
+
+    fn queued(comm: &Arc<CommInner>) -> Counted {
+        Counted { comm: comm.clone(), count: |s| &mut s.queued }
     }
 }
 
-/// Counts one stream operation of a launch as queued until its stream reaches it (or drops
-/// it): [`CommInner::abort`] waits for these.
-struct Queued(Arc<CommInner>);
-
-impl Drop for Queued {
+impl Drop for Counted {
     fn drop(&mut self) {
-        let mut s = self.0.lock();
-        s.queued -= 1;
-        let none = s.queued == 0;
+        let mut s = self.comm.lock();
+        let n = (self.count)(&mut s);
+        *n -= 1;
+        let zero = *n == 0;
         drop(s);
-        if none {
-            self.0.changed.notify_all();
+        if zero {
+            self.comm.changed.notify_all();
         }
     }
 }
