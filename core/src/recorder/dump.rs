@@ -27,6 +27,7 @@
 //! Loading is total: any input gives `Ok` or a [`DumpError`], never a panic.
 
 use std::collections::BTreeMap;
+use std::sync::Arc;
 
 use serde::{Deserialize, Serialize};
 
@@ -83,9 +84,11 @@ pub struct PgConfig {
     #[serde(default)]
     pub desc: String,
     /// Global ranks of the members. Written as torch's string (`"[0, 1, 2]"`, which its
-    /// analyzer `ast.literal_eval`s); read from that string or from a list.
+    /// analyzer `ast.literal_eval`s); read from that string or from a list. Shared: every dump
+    /// of a job repeats its groups' lists, and 4,096 dumps of a 4,096-rank job would otherwise
+    /// hold 16 M parsed ranks.
     #[serde(with = "ranks_text")]
-    pub ranks: Vec<u64>,
+    pub ranks: Arc<[u64]>,
 }
 
 /// One group's progress in `pg_status`: sequence numbers of the last collective enqueued,
@@ -332,28 +335,52 @@ mod time_or_zero {
 
 /// Ranks written as torch's `ranks_str` (`"[0, 1, 2]"`), read from that or from a list.
 mod ranks_text {
-    use std::fmt::Write as _;
+    use std::cell::RefCell;
+    use std::fmt::{self, Write as _};
+    use std::sync::Arc;
 
-    use serde::de::Error as _;
-    use serde::{Deserialize, Deserializer, Serializer};
+    use serde::de::{self, SeqAccess, Visitor};
+    use serde::{Deserializer, Serializer};
 
-    #[derive(Deserialize)]
-    #[serde(untagged)]
-    enum RanksRepr {
-        List(Vec<u64>),
-        Text(String),
-    }
-
-    pub(super) fn serialize<S: Serializer>(ranks: &[u64], s: S) -> Result<S::Ok, S::Error> {
+    pub(super) fn serialize<S: Serializer>(ranks: &Arc<[u64]>, s: S) -> Result<S::Ok, S::Error> {
         s.serialize_str(&format(ranks))
     }
 
-    pub(super) fn deserialize<'de, D: Deserializer<'de>>(d: D) -> Result<Vec<u64>, D::Error> {
-        match RanksRepr::deserialize(d)? {
-            RanksRepr::List(v) => Ok(v),
-            RanksRepr::Text(s) => {
-                parse(&s).ok_or_else(|| D::Error::custom(format_args!("expected ranks like \"[0, 1]\", got {s:?}")))
+    pub(super) fn deserialize<'de, D: Deserializer<'de>>(d: D) -> Result<Arc<[u64]>, D::Error> {
+        d.deserialize_any(RanksVisitor)
+    }
+
+    thread_local! {
+        /// The last list read as text, and its parse: the dumps of one job repeat their
+        /// groups' lists, so reading many dumps parses and keeps each list once.
+        static LAST: RefCell<Option<(String, Arc<[u64]>)>> = const { RefCell::new(None) };
+    }
+
+    struct RanksVisitor;
+
+    impl<'de> Visitor<'de> for RanksVisitor {
+        type Value = Arc<[u64]>;
+
+        fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+            f.write_str("ranks like \"[0, 1]\" or a list of ranks")
+        }
+
+        fn visit_str<E: de::Error>(self, s: &str) -> Result<Arc<[u64]>, E> {
+            if let Some(hit) = LAST.with_borrow(|last| last.as_ref().filter(|(t, _)| t == s).map(|(_, r)| r.clone())) {
+                return Ok(hit);
             }
+            let ranks: Arc<[u64]> =
+                parse(s).ok_or_else(|| E::custom(format_args!("expected ranks like \"[0, 1]\", got {s:?}")))?.into();
+            LAST.set(Some((s.to_owned(), ranks.clone())));
+            Ok(ranks)
+        }
+
+        fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<Arc<[u64]>, A::Error> {
+            let mut ranks = Vec::with_capacity(seq.size_hint().unwrap_or(0).min(1 << 16));
+            while let Some(r) = seq.next_element()? {
+                ranks.push(r);
+            }
+            Ok(ranks.into())
         }
     }
 
@@ -418,7 +445,7 @@ mod tests {
         assert_eq!(dump.version, "2.10");
         assert_eq!(dump.comm_lib_version, "2.21.5");
         assert_eq!(dump.rank, None);
-        assert_eq!(dump.pg_config["0"].ranks, vec![0, 1]);
+        assert_eq!(*dump.pg_config["0"].ranks, [0, 1]);
         assert_eq!(dump.pg_config["1"].desc, "undefined");
         assert_eq!(
             dump.pg_status["1"],
@@ -456,7 +483,7 @@ mod tests {
               "frames": [{"name": "all_reduce", "filename": "distributed_c10d.py", "line": 2696}]}]}"#;
         let dump = Dump::from_json(text).unwrap();
         assert_eq!(dump.comm_lib_version, "");
-        assert_eq!(dump.pg_config["0"].ranks, vec![0, 1, 2]);
+        assert_eq!(*dump.pg_config["0"].ranks, [0, 1, 2]);
         assert_eq!(dump.pg_status["0"].last_enqueued_collective, 3);
         let e = &dump.entries[0];
         assert_eq!((e.pg_id, e.record_id), (0, 7));
@@ -497,6 +524,22 @@ mod tests {
         // Untagged number-or-text fields buffer their value: serde_json's depth limit applies.
         let buffered = format!(r#"{{"version":"2.10","entries":[{{"pg_id":{}}}]}}"#, nest(100_000));
         assert!(matches!(Dump::from_json(&buffered), Err(DumpError::Malformed(_))));
+    }
+
+    #[test]
+    fn dumps_with_the_same_rank_list_share_one_parse_of_it() {
+        let doc = |rank: u32, ranks: &str| {
+            format!(
+                r#"{{"version": "2.10", "pg_config": {{"0": {{"name": "0", "desc": "default_pg", "ranks": "{ranks}"}}}},
+                "pg_status": {{}}, "entries": [], "rank": {rank}}}"#
+            )
+        };
+        let a = Dump::from_json(&doc(0, "[0, 1, 2]")).unwrap();
+        let b = Dump::from_json(&doc(1, "[0, 1, 2]")).unwrap();
+        let c = Dump::from_json(&doc(2, "[0, 2]")).unwrap();
+        assert!(Arc::ptr_eq(&a.pg_config["0"].ranks, &b.pg_config["0"].ranks));
+        assert_eq!(*c.pg_config["0"].ranks, [0, 2]);
+        assert!(Dump::from_json(&doc(3, "[0, x]")).unwrap_err().to_string().contains("[0, x]"));
     }
 
     #[test]

@@ -502,7 +502,8 @@ impl FlightRecorder {
             .pg_config
             .iter()
             .map(|(name, (desc, ranks))| {
-                let config = PgConfig { name: name.to_string(), desc: desc.to_string(), ranks: ranks.clone() };
+                let config =
+                    PgConfig { name: name.to_string(), desc: desc.to_string(), ranks: ranks.as_slice().into() };
                 (name.to_string(), config)
             })
             .collect();

@@ -125,7 +125,7 @@ fn every_group_gets_its_own_status_and_config() {
     let dump = fr.dump(meta());
     assert_eq!(dump.pg_status["5"], st(7, 7, 7));
     assert_eq!(dump.pg_status["0"], st(-1, -1, -1));
-    assert_eq!(dump.pg_config["5"].ranks, vec![0]);
+    assert_eq!(*dump.pg_config["5"].ranks, [0]);
     assert_eq!(dump.entries[0].process_group, ("5".to_owned(), "tp".to_owned()));
     assert_eq!(dump.entries[0].pg_id, 5);
 }
