@@ -47,6 +47,10 @@ pub(crate) struct SimArgs {
     /// The collective timeout in milliseconds (simulated).
     #[arg(long, default_value_t = 5000, value_name = "MS")]
     timeout_ms: u64,
+    /// Ranks connect to a peer on first use instead of to every peer at init (how large jobs
+    /// run; much cheaper to simulate at hundreds of ranks).
+    #[arg(long)]
+    lazy_connect: bool,
     /// Write the whole report (outcomes, events, dumps, diagnosis) as JSON here.
     #[arg(long, value_name = "FILE")]
     json: Option<PathBuf>,
@@ -83,7 +87,8 @@ pub(crate) fn run(args: SimArgs) -> Result<i32, String> {
         .script(script)
         .faults(plan)
         .timeout(Duration::from_millis(args.timeout_ms))
-        .backend(args.backend);
+        .backend(args.backend)
+        .lazy_connect(args.lazy_connect);
     if let Some(seed) = args.seed {
         sim = sim.seed(seed);
     }

@@ -1756,9 +1756,13 @@ impl GroupState {
         // Tell every peer still reachable, also when this rank only learned of the failure:
         // a rank that closes its links after a remote failure would otherwise look, to a peer
         // that has not heard yet, like the rank that failed. The origin and the blame travel
-        // along.
+        // along. Only connected peers are told (every peer, unless peers connect lazily):
+        // dialing every peer to tell it would open the full mesh that lazy connections avoid,
+        // all at once while the job fails. A peer this rank has no link with cannot mistake
+        // its closing links for the failure; it hears from a connected peer, which passes the
+        // failure on the same way, or from the store, where the failure is published.
         for to in self.peers() {
-            if !self.lost.contains_key(&to) && (local || to != failure.origin) {
+            if !self.lost.contains_key(&to) && self.connected.contains(&to) && (local || to != failure.origin) {
                 self.transmits.push_back(Transmit {
                     to,
                     msg: ControlMsg::Error {
@@ -1788,8 +1792,10 @@ impl GroupState {
         for id in open {
             self.set_result(id, WorkResult::Aborted { reason: reason.clone() });
         }
+        // Connected peers only, as for a failure (see `fail_group`): the others hear from them
+        // or from the store.
         for to in self.peers() {
-            if !self.lost.contains_key(&to) && Some(to) != heard_from {
+            if !self.lost.contains_key(&to) && self.connected.contains(&to) && Some(to) != heard_from {
                 self.transmits.push_back(Transmit { to, msg: ControlMsg::Abort { reason: reason.clone() } });
             }
         }

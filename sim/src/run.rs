@@ -137,6 +137,7 @@ pub struct Simulation {
     max_latency: Duration,
     trace_buffer_size: usize,
     backend: Backend,
+    lazy_connect: bool,
 }
 
 impl Simulation {
@@ -156,6 +157,12 @@ impl Simulation {
             max_latency: Duration::from_millis(1),
             trace_buffer_size: 2000,
             backend: Backend::Tcp,
+            // A full mesh by default: with lazy connections a rank's stuck notes and census
+            // votes reach only the peers it talks to, so its own error names the culprit less
+            // often (the cross-rank diagnosis of the dumps is unaffected). Large simulations
+            // turn it on (`lazy_connect`): a mesh costs the simulated network a link per host
+            // pair on every step, so the mesh, not the job, would set their cost.
+            lazy_connect: false,
         }
     }
 
@@ -209,6 +216,13 @@ impl Simulation {
     /// The most simulated time the run may take.
     pub fn limit(mut self, limit: Duration) -> Simulation {
         self.limit = limit;
+        self
+    }
+
+    /// Whether ranks connect to a peer on first use or to every peer when they join (default;
+    /// `TcpOptions::lazy_connect`).
+    pub fn lazy_connect(mut self, lazy: bool) -> Simulation {
+        self.lazy_connect = lazy;
         self
     }
 
@@ -874,6 +888,7 @@ impl RankCtx {
             trace_buffer_size: cfg.trace_buffer_size,
             dump_prefix: None,
             wall_clock_anchor_ns: Some(WALL_CLOCK_START_NS + sim_ms() * 1_000_000),
+            lazy_connect: cfg.lazy_connect,
             ..TcpOptions::default()
         };
         let pg = match ProcessGroup::connect(TurmoilNet, Arc::new(store), self.rank, cfg.world_size, opts).await {

@@ -7,7 +7,7 @@
 
 use std::io;
 
-use cohort_core::protocol::{FrameHeader, HEADER_LEN};
+use cohort_core::protocol::FrameHeader;
 use cohort_core::work::Rank;
 use tokio::io::{AsyncWrite, AsyncWriteExt};
 use tokio::sync::mpsc;
@@ -26,7 +26,12 @@ pub(crate) async fn run_writer<W>(
     W: AsyncWrite + Unpin,
 {
     let LaneRx { mut rx, gate } = lane;
-    let mut small = Vec::with_capacity(HEADER_LEN + COALESCE_LIMIT);
+    // Grown on demand rather than reserved up front: a job of N ranks has up to 2(N - 1)
+    // connections per rank, most of which only ever carry heartbeats and small control frames,
+    // so reserving the coalescing limit for each would hold tens of KiB per idle connection.
+    // Once grown it keeps its capacity (at most the limit plus one frame), so a busy connection
+    // pays for the growth once.
+    let mut small = Vec::new();
     let mut notify = WrittenBatch::default();
     while let Some(first) = rx.recv().await {
         let mut batch = 0;
