@@ -24,6 +24,10 @@ use crate::work::Rank;
 /// that start a read are read straight into their own buffers.
 pub const DEFAULT_STAGING: usize = 64 * 1024;
 
+/// What the staging buffer starts at: most connections of a large job carry only heartbeats
+/// and control frames, so the full size is reserved only once reads fill what there is.
+const INITIAL_STAGING: usize = 1024;
+
 /// Where a [`FrameDecoder`] gets the buffer for each payload.
 pub trait PayloadBuffers {
     /// A buffer of exactly `len` bytes (its contents are overwritten), or the allocation's
@@ -52,8 +56,8 @@ impl PayloadBuffers for FreshBuffers {
 /// [`FrameDecoder::handle_bytes`] and drain [`FrameDecoder::poll_frame`] after each. At end of
 /// stream call [`FrameDecoder::handle_eof`] and drain once more: a frame cut short is reported.
 ///
-/// Memory: a staging buffer (64 KiB unless [`FrameDecoder::with_buffers`] says otherwise), at
-/// most one partial payload, and, when fed through `handle_bytes`, the frames decoded and not
+/// Memory: a staging buffer (1 KiB at first, doubled each time a read fills it, up to 64 KiB
+/// unless [`FrameDecoder::with_buffers`] says otherwise), at most one partial payload, and, when fed through `handle_bytes`, the frames decoded and not
 /// polled yet. A payload's buffer is taken whole once its header passed the checks, so it can
 /// be read into directly: at most [`FrameLimits::max_payload`] bytes, and a header announcing
 /// more is refused before anything is allocated.
@@ -67,7 +71,11 @@ pub struct FrameDecoder<B: PayloadBuffers = FreshBuffers> {
     /// The connection's peer: a frame naming another source is refused.
     source: Option<Rank>,
     buffers: B,
-    staging: Box<[u8]>,
+    staging: Vec<u8>,
+    /// The size `staging` grows to.
+    max_staging: usize,
+    /// The last read filled all the room `staging` had: grow it before the next.
+    filled: bool,
     /// Unconsumed bytes are `staging[start..end]`.
     start: usize,
     end: usize,
@@ -106,14 +114,17 @@ impl FrameDecoder<FreshBuffers> {
 }
 
 impl<B: PayloadBuffers> FrameDecoder<B> {
-    /// A decoder with a staging buffer of `staging` bytes (at least [`HEADER_LEN`]) that takes
-    /// payload buffers from `buffers`.
+    /// A decoder whose staging buffer grows to `staging` bytes (at least [`HEADER_LEN`]) and
+    /// that takes payload buffers from `buffers`.
     pub fn with_buffers(limits: FrameLimits, staging: usize, buffers: B) -> Self {
+        let max_staging = staging.max(HEADER_LEN);
         FrameDecoder {
             limits,
             source: None,
             buffers,
-            staging: vec![0; staging.max(HEADER_LEN)].into_boxed_slice(),
+            staging: vec![0; INITIAL_STAGING.clamp(HEADER_LEN, max_staging)],
+            max_staging,
+            filled: false,
             start: 0,
             end: 0,
             partial: None,
@@ -145,7 +156,7 @@ impl<B: PayloadBuffers> FrameDecoder<B> {
         let header_only = self.after_large && self.partial.is_none() && buffered < HEADER_LEN;
         if let Some(p) = &mut self.partial
             && buffered == 0
-            && p.payload.len() - p.got >= self.staging.len()
+            && p.payload.len() - p.got >= self.max_staging
         {
             self.direct = true;
             return &mut p.payload[p.got..];
@@ -155,6 +166,10 @@ impl<B: PayloadBuffers> FrameDecoder<B> {
             self.staging.copy_within(self.start..self.end, 0);
             self.end = buffered;
             self.start = 0;
+        }
+        if std::mem::take(&mut self.filled) && self.staging.len() < self.max_staging {
+            let grown = (self.staging.len() * 2).min(self.max_staging);
+            self.staging.resize(grown, 0);
         }
         if header_only {
             return &mut self.staging[buffered..HEADER_LEN];
@@ -173,7 +188,10 @@ impl<B: PayloadBuffers> FrameDecoder<B> {
                 p.got = (p.got + n).min(p.payload.len());
                 self.after_large = true;
             }
-            _ => self.end = (self.end + n).min(self.staging.len()),
+            _ => {
+                self.end = (self.end + n).min(self.staging.len());
+                self.filled = self.end == self.staging.len();
+            }
         }
         self.direct = false;
     }
@@ -356,11 +374,32 @@ mod tests {
         let mut dec = FrameDecoder::new(FrameLimits::new(1 << 30));
         let (got, sizes) = read_all(&mut dec, &wire(&frames), &[usize::MAX]);
         assert_eq!(got, frames);
-        // The first read fills the staging buffer (header and the start of payload 1), the rest
-        // of payload 1 goes straight in; then header 2 alone, payload 2 straight in; then
-        // header 3 alone, and what is left (small frames) through the staging buffer at once.
-        let p = s * 2;
-        assert_eq!(sizes, vec![s, p - (s - HEADER_LEN), HEADER_LEN, p, HEADER_LEN, 5 + HEADER_LEN + 7]);
+        // The first read fills the (still small) staging buffer with header 1 and the start of
+        // payload 1, the rest of payload 1 goes straight in; then header 2 alone, payload 2
+        // straight in; then header 3 alone, and what is left (small frames) through the staging
+        // buffer at once.
+        let (p, i) = (s * 2, INITIAL_STAGING);
+        assert_eq!(sizes, vec![i, p - (i - HEADER_LEN), HEADER_LEN, p, HEADER_LEN, 5 + HEADER_LEN + 7]);
+    }
+
+    #[test]
+    fn the_staging_buffer_grows_only_while_reads_fill_it() {
+        // A connection that only ever carries heartbeats keeps the small buffer.
+        let beats: Vec<Frame> =
+            (0..100).map(|_| Frame { header: FrameHeader::heartbeat(Rank(1)), payload: vec![] }).collect();
+        let mut dec = FrameDecoder::new(FrameLimits::default());
+        let (got, _) = read_all(&mut dec, &wire(&beats), &[HEADER_LEN]);
+        assert_eq!(got.len(), 100);
+        assert_eq!(dec.staging.len(), INITIAL_STAGING);
+        // A busy one doubles it each time a read fills it, up to the limit, and no further.
+        let busy: Vec<Frame> = (0..2000).map(|i| data(i, 200, 1)).collect();
+        let mut dec = FrameDecoder::new(FrameLimits::default());
+        let (got, sizes) = read_all(&mut dec, &wire(&busy), &[usize::MAX]);
+        assert_eq!(got, busy);
+        assert_eq!(dec.staging.len(), DEFAULT_STAGING);
+        assert_eq!(sizes[0], INITIAL_STAGING);
+        assert!(sizes.iter().all(|&n| n <= DEFAULT_STAGING), "{sizes:?}");
+        assert!(sizes.iter().any(|&n| n > DEFAULT_STAGING / 2), "reads grew with the buffer: {sizes:?}");
     }
 
     #[test]
