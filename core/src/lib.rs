@@ -73,6 +73,7 @@
 pub mod analyze;
 pub mod census;
 pub mod group;
+pub mod p2p;
 pub mod protocol;
 pub mod recorder;
 pub mod reduce;

@@ -6,11 +6,12 @@
 //! are finished *after* the lock is released ([`Finished::complete`]), so that waiters and
 //! completion hooks never run under it.
 
-use std::collections::{BTreeMap, VecDeque};
+use std::collections::BTreeMap;
 use std::time::Instant;
 
 use bytes::Bytes;
 use cohort_core::group::{Collective, Completion, ControlMsg, Event, GroupState, Launch, SubmitError, WorkSummary};
+use cohort_core::p2p::Matcher;
 use cohort_core::protocol::{Fingerprint, FrameHeader, FrameKind, decode_control, encode_control};
 use cohort_core::schedule::PlanCache;
 use cohort_core::seqmap::SeqMap;
@@ -105,10 +106,8 @@ pub(crate) struct DriverState {
     early: BTreeMap<SeqNo, Vec<EarlyFrame>>,
     /// A collective is being started and fed its early frames (see `launch`).
     starting: bool,
-    /// p2p payloads nobody has asked for yet, per (source, tag), in arrival order.
-    inbox: BTreeMap<(Rank, u32), VecDeque<Vec<u8>>>,
-    /// Posted receives, in posting order.
-    posted_recvs: Vec<WorkId>,
+    /// p2p matching: posted receives, and payloads nobody has asked for yet.
+    p2p: Matcher<WorkId>,
     /// Highest collective seq finished here; frames for older ones are stale.
     last_finished_seq: SeqNo,
     /// Peers whose connection is gone.
@@ -169,8 +168,7 @@ impl DriverState {
             plans: PlanCache::default(),
             early: BTreeMap::new(),
             starting: false,
-            inbox: BTreeMap::new(),
-            posted_recvs: Vec::new(),
+            p2p: Matcher::new(),
             last_finished_seq: SeqNo(0),
             closed: BTreeMap::new(),
             waiting_scratch: Vec::new(),
@@ -408,13 +406,7 @@ impl DriverState {
     /// can never finish, so they fail naming it; nothing else does.
     fn departed(&mut self, now: Instant, peer: Rank) {
         self.group.handle_peer_departed(now, peer);
-        let stranded_recvs: Vec<WorkId> = self
-            .posted_recvs
-            .iter()
-            .copied()
-            .filter(|id| matches!(self.pending.get(id), Some(Pending { payload: Payload::Recv { peer: Some(p), .. }, .. }) if *p == peer))
-            .collect();
-        for id in stranded_recvs {
+        for id in self.p2p.waiting_for(peer) {
             let message = format!("rank {peer} shut its process group down without sending what this recv waits for");
             self.group.handle_completion(now, id, Completion::Failed { rank: Some(peer), message });
         }
@@ -540,16 +532,8 @@ impl DriverState {
     }
 
     fn handle_p2p(&mut self, now: Instant, from: Rank, tag: u32, payload: Vec<u8>) {
-        let matched = self.posted_recvs.iter().position(|id| {
-            matches!(self.pending.get(id), Some(Pending { payload: Payload::Recv { peer, tag: t, .. }, .. })
-                if *t == tag && peer.is_none_or(|p| p == from))
-        });
-        match matched {
-            Some(i) => {
-                let id = self.posted_recvs.remove(i);
-                self.complete_recv(now, id, from, payload);
-            }
-            None => self.inbox.entry((from, tag)).or_default().push_back(payload),
+        if let Some((id, payload)) = self.p2p.arrive(from, tag, payload) {
+            self.complete_recv(now, id, from, payload);
         }
     }
 
@@ -745,11 +729,7 @@ impl DriverState {
             }
             Payload::Recv { peer, tag, .. } => {
                 let (peer, tag) = (*peer, *tag);
-                let key = match peer {
-                    Some(p) => self.inbox.get(&(p, tag)).filter(|q| !q.is_empty()).map(|_| (p, tag)),
-                    None => self.inbox.iter().find(|((_, t), q)| *t == tag && !q.is_empty()).map(|(k, _)| *k),
-                };
-                match key.and_then(|k| self.inbox.get_mut(&k).and_then(VecDeque::pop_front).map(|b| (k.0, b))) {
+                match self.p2p.take_held(peer, tag) {
                     Some((from, bytes)) => self.complete_recv(now, id, from, bytes),
                     None => match peer.and_then(|p| self.closed.get(&p).map(|why| (p, why.clone()))) {
                         // Everything the peer sent arrived before its connection closed.
@@ -757,7 +737,7 @@ impl DriverState {
                             let message = format!("nothing from rank {p} with tag {tag} arrived before: {why}");
                             self.group.handle_completion(now, id, Completion::Failed { rank: Some(p), message });
                         }
-                        None => self.posted_recvs.push(id),
+                        None => self.p2p.wait(id, peer, tag),
                     },
                 }
             }
@@ -817,7 +797,7 @@ impl DriverState {
                         self.pool.give(payload);
                     }
                 }
-                self.posted_recvs.retain(|&id| id != summary.id);
+                self.p2p.forget(summary.id);
                 if let Some(p) = self.pending.remove(&summary.id) {
                     effects.finished.0.push((p.completer, summary, p.outputs));
                 }
