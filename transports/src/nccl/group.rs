@@ -367,9 +367,10 @@ struct Inner<D: Device> {
 /// stream the communicator enqueued on, so while something other than an NCCL kernel holds such
 /// a stream (a host-side wait, a hung compute kernel) the call does not return. Seen on an H200
 /// with NCCL 2.28.9: a collective queued behind a `cuStreamWaitValue32` kept `ncclCommAbort`
-/// waiting until the stream was released. So the watchdog never waits for it: works are
-/// finished, the recorder dumped and the failure published first, and the buffers the device
-/// may still use are let go only once the abort returned.
+/// waiting until the stream was released. So the watchdog never waits for it: it raises the
+/// flag inline (`Communicator::raise_abort`), finishes the works, dumps the recorder and
+/// publishes the failure while `ncclCommAbort` runs on a thread of its own, and the buffers
+/// the device may still use are let go only once that call returned.
 #[derive(Default)]
 struct AbortGate {
     started: AtomicBool,
