@@ -72,13 +72,14 @@
 
 pub mod analyze;
 pub mod census;
+pub mod dataplane;
 pub mod group;
 pub mod p2p;
 pub mod protocol;
 pub mod recorder;
 pub mod reduce;
 pub mod schedule;
-pub mod seqmap;
+pub(crate) mod seqmap;
 pub mod store;
 pub mod tensor;
 pub mod watchdog;
@@ -96,4 +97,6 @@ pub use recorder::{
 pub use reduce::{ReduceError, ReduceOp, Reduction};
 pub use schedule::{Executor, Plan, ScheduleError};
 pub use tensor::{DType, Device, Element, FlatSlot, Tensor, TensorError};
-pub use work::{Blame, GroupId, IllegalTransition, Lifecycle, OpType, Rank, SeqNo, WorkId, WorkResult, WorkState};
+pub use work::{
+    Blame, BlameError, GroupId, IllegalTransition, Lifecycle, OpType, Rank, SeqNo, WorkId, WorkResult, WorkState,
+};

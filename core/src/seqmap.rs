@@ -17,7 +17,7 @@ use std::marker::PhantomData;
 use crate::work::{SeqNo, WorkId};
 
 /// A key a [`SeqMap`] can index: a counter.
-pub trait SeqKey: Copy + Ord {
+pub(crate) trait SeqKey: Copy + Ord {
     /// The counter's value.
     fn index(self) -> u64;
     /// The key with counter value `index`.
@@ -47,7 +47,7 @@ impl SeqKey for SeqNo {
 /// An ordered map over dense counter keys (see the [module docs](self)).
 ///
 /// Invariant: the first and the last slot are occupied (or there are no slots).
-pub struct SeqMap<K, V> {
+pub(crate) struct SeqMap<K, V> {
     base: u64,
     slots: VecDeque<Option<V>>,
     len: usize,
@@ -68,17 +68,17 @@ impl<K: SeqKey + fmt::Debug, V: fmt::Debug> fmt::Debug for SeqMap<K, V> {
 
 impl<K: SeqKey, V> SeqMap<K, V> {
     /// An empty map.
-    pub fn new() -> Self {
+    pub(crate) fn new() -> Self {
         Self::default()
     }
 
     /// Number of entries.
-    pub fn len(&self) -> usize {
+    pub(crate) fn len(&self) -> usize {
         self.len
     }
 
     /// Whether there are none.
-    pub fn is_empty(&self) -> bool {
+    pub(crate) fn is_empty(&self) -> bool {
         self.len == 0
     }
 
@@ -88,23 +88,23 @@ impl<K: SeqKey, V> SeqMap<K, V> {
     }
 
     /// The entry at `key`.
-    pub fn get(&self, key: &K) -> Option<&V> {
+    pub(crate) fn get(&self, key: &K) -> Option<&V> {
         self.slot(*key).and_then(|i| self.slots[i].as_ref())
     }
 
     /// The entry at `key`, mutably.
-    pub fn get_mut(&mut self, key: &K) -> Option<&mut V> {
+    pub(crate) fn get_mut(&mut self, key: &K) -> Option<&mut V> {
         self.slot(*key).and_then(|i| self.slots[i].as_mut())
     }
 
     /// Whether `key` has an entry.
-    pub fn contains_key(&self, key: &K) -> bool {
+    pub(crate) fn contains_key(&self, key: &K) -> bool {
         self.get(key).is_some()
     }
 
     /// Insert `value` at `key`, returning the value it replaces. O(1) at or just past either
     /// end; a key far from the others makes room for every key in between.
-    pub fn insert(&mut self, key: K, value: V) -> Option<V> {
+    pub(crate) fn insert(&mut self, key: K, value: V) -> Option<V> {
         let k = key.index();
         if self.slots.is_empty() {
             self.base = k;
@@ -135,7 +135,7 @@ impl<K: SeqKey, V> SeqMap<K, V> {
     }
 
     /// Remove and return the entry at `key`.
-    pub fn remove(&mut self, key: &K) -> Option<V> {
+    pub(crate) fn remove(&mut self, key: &K) -> Option<V> {
         let i = self.slot(*key)?;
         let value = self.slots[i].take()?;
         self.len -= 1;
@@ -155,18 +155,18 @@ impl<K: SeqKey, V> SeqMap<K, V> {
     }
 
     /// The entry with the smallest key.
-    pub fn first(&self) -> Option<(K, &V)> {
+    pub(crate) fn first(&self) -> Option<(K, &V)> {
         self.slots.front().and_then(Option::as_ref).map(|v| (K::from_index(self.base), v))
     }
 
     /// The entry with the smallest key, mutably.
-    pub fn first_mut(&mut self) -> Option<(K, &mut V)> {
+    pub(crate) fn first_mut(&mut self) -> Option<(K, &mut V)> {
         let base = self.base;
         self.slots.front_mut().and_then(Option::as_mut).map(|v| (K::from_index(base), v))
     }
 
     /// Remove and return the entry with the smallest key.
-    pub fn pop_first(&mut self) -> Option<(K, V)> {
+    pub(crate) fn pop_first(&mut self) -> Option<(K, V)> {
         let key = K::from_index(self.base);
         let value = self.slots.front_mut()?.take()?;
         self.len -= 1;
@@ -175,18 +175,9 @@ impl<K: SeqKey, V> SeqMap<K, V> {
     }
 
     /// Entries in key order.
-    pub fn iter(&self) -> impl Iterator<Item = (K, &V)> + '_ {
+    pub(crate) fn iter(&self) -> impl Iterator<Item = (K, &V)> + '_ {
         let base = self.base;
         self.slots.iter().enumerate().filter_map(move |(i, v)| v.as_ref().map(|v| (K::from_index(base + i as u64), v)))
-    }
-
-    /// Entries in key order, mutably.
-    pub fn iter_mut(&mut self) -> impl Iterator<Item = (K, &mut V)> + '_ {
-        let base = self.base;
-        self.slots
-            .iter_mut()
-            .enumerate()
-            .filter_map(move |(i, v)| v.as_mut().map(|v| (K::from_index(base + i as u64), v)))
     }
 }
 
@@ -271,7 +262,7 @@ mod tests {
         map.insert(SeqNo(7), "seven");
         assert_eq!(map.iter().collect::<Vec<_>>(), vec![(SeqNo(7), &"seven"), (SeqNo(10), &"ten")]);
         assert_eq!(map.first_mut().map(|(k, _)| k), Some(SeqNo(7)));
-        for (_, v) in map.iter_mut() {
+        if let Some((_, v)) = map.first_mut() {
             *v = "x";
         }
         assert_eq!(map.pop_first(), Some((SeqNo(7), "x")));

@@ -5,16 +5,20 @@
 //! the core exactly one input, and drains every output ([`DriverState::drain`]). Works that end
 //! are finished *after* the lock is released ([`Finished::complete`]), so that waiters and
 //! completion hooks never run under it.
+//!
+//! What follows from a frame, a write or a goodbye — feed, hold or drop a frame, resume or
+//! complete a work, fail one stranded by a departed peer — is the core's
+//! [`DataPlane`](cohort_core::dataplane) to decide; this file keeps the sockets' queues, the
+//! tensors and the collectives' runs, and does what it answers.
 
-use std::collections::BTreeMap;
 use std::time::Instant;
 
 use bytes::Bytes;
+use cohort_core::dataplane::{self, AfterWrite, DataFrame, DataPlane, PeerClosed, Route};
 use cohort_core::group::{Collective, Completion, ControlMsg, Event, GroupState, Launch, SubmitError, WorkSummary};
 use cohort_core::p2p::Matcher;
 use cohort_core::protocol::{Fingerprint, FrameHeader, FrameKind, decode_control, encode_control};
 use cohort_core::schedule::PlanCache;
-use cohort_core::seqmap::SeqMap;
 use cohort_core::tensor::Tensor;
 use cohort_core::work::{Blame, GroupId, Rank, SeqNo, WorkId};
 
@@ -34,26 +38,12 @@ pub(crate) enum Payload {
     Recv { peer: Option<Rank>, tag: u32, tensor: Option<Tensor> },
 }
 
-/// A data frame that arrived before its collective started: sender, step, tag, payload.
-type EarlyFrame = (Rank, u32, u32, Vec<u8>);
-
+/// A work's driver side: whom to tell when it ends, what the user handed in, what it gives.
 #[derive(Debug)]
 struct Pending {
     completer: WorkCompleter,
     payload: Payload,
     outputs: Vec<Tensor>,
-    /// Frames of this work queued but not yet on the socket.
-    unwritten: usize,
-    /// The data side is done (a collective's schedule finished, a send was queued); the work
-    /// completes once `unwritten` is 0 too, so that a rank that exits right after a work
-    /// completes never takes unsent bytes with it.
-    data_done: bool,
-    /// A collective's op, dtype and root, sent in every data frame's tag and checked against
-    /// what peers send (see [`Fingerprint`]).
-    fingerprint: Option<Fingerprint>,
-    /// A collective stopped taking frames to send at [`SEND_WINDOW`]; it goes on as its frames
-    /// are written.
-    throttled: bool,
 }
 
 pub(crate) use super::link::OnWritten;
@@ -97,30 +87,17 @@ pub(crate) struct DriverState {
     me: Rank,
     gid: GroupId,
     writers: Vec<Option<Lanes>>,
-    pending: SeqMap<WorkId, Pending>,
-    /// Running collectives by sequence number.
-    running: SeqMap<SeqNo, WorkId>,
+    /// The works in flight and the data plane's bookkeeping of them.
+    plane: DataPlane<Pending, Vec<u8>>,
     /// Plans of the collectives run so far, reused by later runs of the same ones.
     plans: PlanCache,
-    /// Data frames for collectives this rank has not launched yet.
-    early: BTreeMap<SeqNo, Vec<EarlyFrame>>,
-    /// A collective is being started and fed its early frames (see `launch`).
-    starting: bool,
     /// p2p matching: posted receives, and payloads nobody has asked for yet.
     p2p: Matcher<WorkId>,
-    /// Highest collective seq finished here; frames for older ones are stale.
-    last_finished_seq: SeqNo,
-    /// Peers whose connection is gone.
-    closed: BTreeMap<Rank, String>,
     /// The ranks a running collective waits for, as last asked (the allocation is reused).
     waiting_scratch: Vec<Rank>,
-    /// Frames queued for each peer and not yet written.
-    unwritten_to: BTreeMap<Rank, usize>,
-    /// Their sum, readable without the lock (see [`DriverState::writing_count`]).
+    /// Frames queued and not yet written, readable without the lock (see
+    /// [`DriverState::writing_count`]): the data plane's count, mirrored.
     unwritten_total: std::sync::Arc<std::sync::atomic::AtomicUsize>,
-    /// Peers that said goodbye while frames to them were still being written: their
-    /// departure is handled once those writes finish, so a send that reached them succeeds.
-    deferred_departures: std::collections::BTreeSet<Rank>,
     on_written: WrittenHook,
     /// Lazy connection: connections per peer, when peers are dialed on first use.
     lazy: Option<u16>,
@@ -163,18 +140,11 @@ impl DriverState {
             gid: group.config().group_id,
             group,
             writers,
-            pending: SeqMap::new(),
-            running: SeqMap::new(),
+            plane: DataPlane::new(SEND_WINDOW),
             plans: PlanCache::default(),
-            early: BTreeMap::new(),
-            starting: false,
             p2p: Matcher::new(),
-            last_finished_seq: SeqNo(0),
-            closed: BTreeMap::new(),
             waiting_scratch: Vec::new(),
-            unwritten_to: BTreeMap::new(),
             unwritten_total: Default::default(),
-            deferred_departures: std::collections::BTreeSet::new(),
             on_written: WrittenHook(on_written),
             lazy,
             pool,
@@ -194,7 +164,7 @@ impl DriverState {
         if missing
             && let Some(k) = self.lazy
             && to != self.me
-            && !self.closed.contains_key(&to)
+            && !self.plane.is_closed(to)
             && !self.group.is_aborted()
             && self.group.failure().is_none()
         {
@@ -235,7 +205,7 @@ impl DriverState {
     /// rank already writes over connections it dialed and only reads from these (`None`).
     /// Either way `peer` now counts as connected.
     pub(crate) fn accept_lanes(&mut self, now: Instant, peer: Rank, n: usize) -> Option<Vec<LaneRx>> {
-        if self.closed.contains_key(&peer) || peer == self.me {
+        if self.plane.is_closed(peer) || peer == self.me {
             return None;
         }
         self.group.handle_peer_connected(now, peer);
@@ -284,18 +254,7 @@ impl DriverState {
         let seq = if op.is_p2p() { self.group.p2p_seq() } else { self.group.seq() };
         let (work, completer) = Work::pending(id, seq, op, hook);
         completer.in_group(self.group.config().group_id, self.group.rank());
-        self.pending.insert(
-            id,
-            Pending {
-                completer,
-                payload,
-                outputs: Vec::new(),
-                unwritten: 0,
-                data_done: false,
-                fingerprint,
-                throttled: false,
-            },
-        );
+        self.plane.track(id, fingerprint, Pending { completer, payload, outputs: Vec::new() });
         self.corking = self.corks.in_burst();
         self.drain(now, effects);
         self.corking = false;
@@ -337,21 +296,17 @@ impl DriverState {
         clean: bool,
         effects: &mut Effects,
     ) {
-        if self.closed.contains_key(&from) {
+        let closed = self.plane.peer_closed(from, &reason, clean);
+        if closed == PeerClosed::Again {
             return;
         }
-        self.closed.insert(from, reason.clone());
         if let Some(w) = self.writers.get_mut(from.index()) {
             *w = None;
         }
-        if clean {
-            if self.unwritten_to.get(&from).copied().unwrap_or(0) > 0 {
-                self.deferred_departures.insert(from);
-            } else {
-                self.departed(now, from);
-            }
-        } else {
-            self.group.handle_peer_lost(now, from, reason);
+        match closed {
+            PeerClosed::Departed => self.departed(now, from),
+            PeerClosed::Lost => self.group.handle_peer_lost(now, from, reason),
+            PeerClosed::Deferred | PeerClosed::Again => {}
         }
         self.drain(now, effects);
     }
@@ -378,25 +333,17 @@ impl DriverState {
         outcome: Result<(), String>,
         effects: &mut Effects,
     ) {
-        let left = self.unwritten_to.entry(to).or_default();
-        let done = ids.len().min(*left);
-        *left -= done;
-        let left = *left;
-        self.unwritten_total.fetch_sub(done, std::sync::atomic::Ordering::Relaxed);
+        let departure_due = self.plane.frames_written(to, ids.len());
+        self.mirror_unwritten();
         for &id in ids {
-            let Some(p) = self.pending.get_mut(&id) else { continue };
-            p.unwritten = p.unwritten.saturating_sub(1);
-            let resume = p.throttled && outcome.is_ok();
-            match &outcome {
-                Ok(()) if resume => self.after_step(now, id, Ok(())),
-                Ok(()) => self.maybe_complete(now, id),
-                Err(message) => {
-                    let message = message.clone();
-                    self.group.handle_completion(now, id, Completion::Failed { rank: Some(to), message })
-                }
+            match self.plane.work_written(id, to, outcome.as_ref().err().map(String::as_str)) {
+                AfterWrite::Nothing => {}
+                AfterWrite::Resume => self.after_step(now, id, Ok(())),
+                AfterWrite::Complete => self.group.handle_completion(now, id, Completion::Success),
+                AfterWrite::Fail(completion) => self.group.handle_completion(now, id, completion),
             }
         }
-        if left == 0 && self.deferred_departures.remove(&to) {
+        if departure_due {
             self.departed(now, to);
         }
         self.drain(now, effects);
@@ -407,38 +354,35 @@ impl DriverState {
     fn departed(&mut self, now: Instant, peer: Rank) {
         self.group.handle_peer_departed(now, peer);
         for id in self.p2p.waiting_for(peer) {
-            let message = format!("rank {peer} shut its process group down without sending what this recv waits for");
-            self.group.handle_completion(now, id, Completion::Failed { rank: Some(peer), message });
+            self.group.handle_completion(now, id, dataplane::departed_before_send(peer));
         }
-        let running: Vec<WorkId> = self.running.iter().map(|(_, &id)| id).collect();
-        for id in running {
+        for id in self.plane.running() {
             self.fail_if_stranded(now, id);
         }
     }
 
     /// Fail a running collective that waits for a peer whose connection is closed.
     fn fail_if_stranded(&mut self, now: Instant, id: WorkId) {
-        let Some(Pending { payload: Payload::Collective { run: Some(run), .. }, .. }) = self.pending.get(&id) else {
+        let Some(Pending { payload: Payload::Collective { run: Some(run), .. }, .. }) = self.plane.work(id) else {
             return;
         };
         let mut ranks = Vec::new();
         run.waiting_on(&mut ranks);
-        self.fail_if_waiting_on_closed(now, id, &ranks);
-    }
-
-    /// Fail work `id` if one of `ranks`, whose parts it waits for, has its connection closed.
-    fn fail_if_waiting_on_closed(&mut self, now: Instant, id: WorkId, ranks: &[Rank]) {
-        if let Some((&p, why)) = ranks.iter().find_map(|r| self.closed.get_key_value(r)) {
-            let message = format!("rank {p} is gone before sending its part ({why})");
-            self.group.handle_completion(now, id, Completion::Failed { rank: Some(p), message });
+        if let Some(failure) = self.plane.stranded(&ranks) {
+            self.group.handle_completion(now, id, failure);
         }
     }
 
-    /// Complete `id` once its data side is done and every frame of it is written.
-    fn maybe_complete(&mut self, now: Instant, id: WorkId) {
-        if self.pending.get(&id).is_some_and(|p| p.data_done && p.unwritten == 0) {
+    /// The data side of `id` is done: complete it if every frame of it is written.
+    fn data_done(&mut self, now: Instant, id: WorkId) {
+        if self.plane.data_done(id) {
             self.group.handle_completion(now, id, Completion::Success);
         }
+    }
+
+    /// Copy the data plane's count of unwritten frames where lock-free readers see it.
+    fn mirror_unwritten(&self) {
+        self.unwritten_total.store(self.plane.unwritten(), std::sync::atomic::Ordering::Relaxed);
     }
 
     /// Queue a frame of work `id` for `to`; false if the link is gone.
@@ -466,7 +410,7 @@ impl DriverState {
     /// itself when one work is in flight (a round trip waits on it); with several, the writer
     /// task coalesces their frames into fewer writes.
     fn mode(&self) -> SendMode {
-        SendMode { direct: self.pending.len() <= 1, cork: self.corking.then(|| self.corks.clone()) }
+        SendMode { direct: self.plane.len() <= 1, cork: self.corking.then(|| self.corks.clone()) }
     }
 
     /// Count a frame of work `id` to `to` that was queued (it must be written before the work
@@ -476,11 +420,8 @@ impl DriverState {
             Sent::Gone => return false,
             Sent::Written => {}
             Sent::Queued => {
-                if let Some(p) = self.pending.get_mut(&id) {
-                    p.unwritten += 1;
-                }
-                *self.unwritten_to.entry(to).or_default() += 1;
-                self.unwritten_total.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                self.plane.queued(id, to);
+                self.mirror_unwritten();
             }
         }
         true
@@ -502,8 +443,8 @@ impl DriverState {
     /// Whether the receive `id` got its message (it may still wait to finish behind earlier
     /// works, which finish in submission order).
     pub(crate) fn recv_arrived(&self, id: WorkId) -> bool {
-        self.pending
-            .get(&id)
+        self.plane
+            .work(id)
             .is_some_and(|p| matches!(p.payload, Payload::Recv { tensor: None, .. }) && !p.outputs.is_empty())
     }
 
@@ -521,13 +462,13 @@ impl DriverState {
     }
 
     fn handle_data(&mut self, now: Instant, from: Rank, seq: SeqNo, step: u32, tag: u32, payload: Vec<u8>) {
-        if let Some(&id) = self.running.get(&seq) {
-            self.feed(now, id, from, step, tag, payload);
-        } else if seq > self.last_finished_seq {
-            self.early.entry(seq).or_default().push((from, step, tag, payload));
-        } else {
-            tracing::debug!(%from, %seq, step, "dropping a data frame for a finished collective");
-            self.pool.give(payload);
+        match self.plane.route(seq, DataFrame { from, step, tag, payload }) {
+            Route::Feed(id, frame) => self.feed(now, id, seq, frame),
+            Route::Held => {}
+            Route::Stale(payload) => {
+                tracing::debug!(%from, %seq, step, "dropping a data frame for a finished collective");
+                self.pool.give(payload);
+            }
         }
     }
 
@@ -538,19 +479,12 @@ impl DriverState {
     }
 
     fn complete_recv(&mut self, now: Instant, id: WorkId, from: Rank, bytes: Vec<u8>) {
-        let Some(p) = self.pending.get_mut(&id) else { return };
+        let Some(p) = self.plane.work_mut(id) else { return };
         let Payload::Recv { tensor, .. } = &mut p.payload else { return };
         let Some(mut t) = tensor.take() else { return };
-        if bytes.len() != t.nbytes() {
-            let message = format!(
-                "recv from rank {from}: {} bytes arrived for a tensor of {} bytes ({} × {})",
-                bytes.len(),
-                t.nbytes(),
-                t.numel(),
-                t.dtype()
-            );
+        if let Err(failure) = dataplane::check_recv(from, bytes.len(), &t) {
             self.pool.give(bytes);
-            self.group.handle_completion(now, id, Completion::Failed { rank: Some(from), message });
+            self.group.handle_completion(now, id, failure);
             return;
         }
         t.bytes_mut().copy_from_slice(&bytes);
@@ -560,32 +494,22 @@ impl DriverState {
         self.group.handle_completion(now, id, Completion::Success);
     }
 
-    /// Feed one data frame to a running collective and push what it wants to send.
-    fn feed(&mut self, now: Instant, id: WorkId, from: Rank, step: u32, tag: u32, payload: Vec<u8>) {
-        let Some(Pending { payload: Payload::Collective { run: Some(run), .. }, fingerprint, .. }) =
-            self.pending.get_mut(&id)
-        else {
+    /// Feed one data frame to running collective `id` (`seq`) and push what it wants to send.
+    fn feed(&mut self, now: Instant, id: WorkId, seq: SeqNo, frame: DataFrame<Vec<u8>>) {
+        let DataFrame { from, step, tag, payload } = frame;
+        if let Err(mismatch) = self.plane.check(id, seq, from, tag) {
+            self.pool.give(payload);
+            self.group.handle_completion(now, id, mismatch);
+            return;
+        }
+        let Some(Pending { payload: Payload::Collective { run: Some(run), .. }, .. }) = self.plane.work_mut(id) else {
             self.pool.give(payload);
             return;
         };
-        if let (Some(mine), Some(theirs)) = (*fingerprint, Fingerprint::from_tag(tag))
-            && mine != theirs
-        {
-            let message =
-                format!("desync at seq {}: rank {from} is running {theirs} while this rank runs {mine}", run.seq());
-            self.pool.give(payload);
-            self.group.handle_completion(now, id, Completion::Mismatch { rank: from, message });
-            return;
-        }
         let result = run.handle_recv(from, step, &payload);
         self.pool.give(payload);
         match result {
-            // A part that does not fit the plan (another size, step or chunk): the core asks
-            // every rank what it runs before blaming anyone.
-            Err(e) => {
-                let message = format!("rank {from}'s part does not fit this rank's collective: {e}");
-                self.group.handle_completion(now, id, Completion::Mismatch { rank: from, message });
-            }
+            Err(e) => self.group.handle_completion(now, id, dataplane::part_mismatch(from, e)),
             Ok(()) => self.after_step(now, id, Ok(())),
         }
     }
@@ -597,30 +521,30 @@ impl DriverState {
                 self.group.handle_completion(now, id, Completion::Failed { rank: None, message });
             }
             Ok(()) => {
-                self.send_outgoing(now, id);
-                let Some(Pending { payload: Payload::Collective { run: Some(run), .. }, throttled: false, .. }) =
-                    self.pending.get(&id)
+                if !self.send_outgoing(now, id) {
+                    return; // more to send once frames are written
+                }
+                let Some(Pending { payload: Payload::Collective { run: Some(run), .. }, .. }) = self.plane.work(id)
                 else {
-                    return; // gone, or more to send once frames are written
+                    return;
                 };
                 if !run.is_done() {
                     let mut ranks = std::mem::take(&mut self.waiting_scratch);
                     run.waiting_on(&mut ranks);
                     self.group.handle_waiting_on(now, id, &ranks);
-                    if !self.starting {
-                        self.fail_if_waiting_on_closed(now, id, &ranks);
+                    if let Some(failure) = self.plane.stranded(&ranks) {
+                        self.group.handle_completion(now, id, failure);
                     }
                     self.waiting_scratch = ranks;
                     return;
                 }
-                let Some(p) = self.pending.get_mut(&id) else { return };
+                let Some(p) = self.plane.work_mut(id) else { return };
                 let Payload::Collective { run, .. } = &mut p.payload else { return };
                 let Some(run) = run.take() else { return };
                 match run.finish() {
                     Ok(outputs) => {
                         p.outputs = outputs;
-                        p.data_done = true;
-                        self.maybe_complete(now, id);
+                        self.data_done(now, id);
                     }
                     Err(message) => {
                         self.group.handle_completion(now, id, Completion::Failed { rank: None, message });
@@ -630,26 +554,23 @@ impl DriverState {
         }
     }
 
-    fn send_outgoing(&mut self, now: Instant, id: WorkId) {
-        let Some(Pending { payload: Payload::Collective { run: Some(run), .. }, fingerprint, .. }) =
-            self.pending.get_mut(&id)
-        else {
-            return;
+    /// Queue what collective `id` wants to send, up to the send window; false if it stopped
+    /// at the window (it resumes as its frames are written) or failed.
+    fn send_outgoing(&mut self, now: Instant, id: WorkId) -> bool {
+        let Some(Pending { payload: Payload::Collective { run: Some(run), .. }, .. }) = self.plane.work(id) else {
+            return true;
         };
-        let fingerprint = *fingerprint;
         let seq = run.seq();
+        let tag = self.plane.tag(id);
         loop {
-            let Some(Pending { payload: Payload::Collective { run: Some(run), .. }, unwritten, throttled, .. }) =
-                self.pending.get_mut(&id)
-            else {
-                return;
-            };
-            if *unwritten >= SEND_WINDOW {
-                *throttled = true;
-                return;
+            if !self.plane.window_open(id) {
+                return false;
             }
-            *throttled = false;
-            let Some(out) = run.poll_send() else { return };
+            let Some(Pending { payload: Payload::Collective { run: Some(run), .. }, .. }) = self.plane.work_mut(id)
+            else {
+                return true;
+            };
+            let Some(out) = run.poll_send() else { return true };
             let to = out.to;
             // Straight from the collective's buffer when this thread writes it; whatever the
             // socket does not take now is copied and queued.
@@ -657,14 +578,14 @@ impl DriverState {
             let sent = match self.lanes_for(to).is_some() {
                 false => Sent::Gone,
                 true => {
-                    let DriverState { writers, pending, pool, on_written, .. } = &*self;
-                    let Some(Pending { payload: Payload::Collective { run: Some(run), .. }, .. }) = pending.get(&id)
+                    let DriverState { writers, plane, pool, on_written, .. } = &*self;
+                    let Some(Pending { payload: Payload::Collective { run: Some(run), .. }, .. }) = plane.work(id)
                     else {
-                        return;
+                        return true;
                     };
                     let bytes = run.payload(&out);
                     let mut header = FrameHeader::data(self.gid, seq, out.step, self.me, bytes.len() as u64);
-                    header.tag = fingerprint.map_or(0, Fingerprint::to_tag);
+                    header.tag = tag;
                     let written = super::link::Written { id, hook: on_written.0.clone() };
                     let lane =
                         writers.get(to.index()).and_then(Option::as_ref).and_then(|l| l.lane_for(&header, bytes.len()));
@@ -672,9 +593,8 @@ impl DriverState {
                 }
             };
             if !self.count_sent(id, to, sent) {
-                let message = format!("connection to rank {to} is closed");
-                self.group.handle_completion(now, id, Completion::Failed { rank: Some(to), message });
-                return;
+                self.group.handle_completion(now, id, dataplane::link_gone(to));
+                return false;
             }
         }
     }
@@ -713,30 +633,24 @@ impl DriverState {
     fn launch(&mut self, now: Instant, launch: Launch, effects: &mut Effects) {
         let id = launch.id;
         self.group.handle_started(now, id);
-        let Some(p) = self.pending.get_mut(&id) else { return };
+        let Some(p) = self.plane.work_mut(id) else { return };
         match &mut p.payload {
             Payload::Send { peer, tag, tensor } => {
                 let bytes = Bytes::copy_from_slice(tensor.bytes());
                 let header = FrameHeader::p2p(self.gid, launch.seq, self.me, *tag, bytes.len() as u64);
                 let peer = *peer;
-                p.data_done = true;
                 if self.send_frame(id, peer, header, bytes) {
-                    self.maybe_complete(now, id); // the frame may be on the socket already
+                    self.data_done(now, id); // the frame may be on the socket already
                 } else {
-                    let message = format!("connection to rank {peer} is closed");
-                    self.group.handle_completion(now, id, Completion::Failed { rank: Some(peer), message });
+                    self.group.handle_completion(now, id, dataplane::link_gone(peer));
                 }
             }
             Payload::Recv { peer, tag, .. } => {
                 let (peer, tag) = (*peer, *tag);
                 match self.p2p.take_held(peer, tag) {
                     Some((from, bytes)) => self.complete_recv(now, id, from, bytes),
-                    None => match peer.and_then(|p| self.closed.get(&p).map(|why| (p, why.clone()))) {
-                        // Everything the peer sent arrived before its connection closed.
-                        Some((p, why)) => {
-                            let message = format!("nothing from rank {p} with tag {tag} arrived before: {why}");
-                            self.group.handle_completion(now, id, Completion::Failed { rank: Some(p), message });
-                        }
+                    None => match self.plane.recv_after_close(peer, tag) {
+                        Some(failure) => self.group.handle_completion(now, id, failure),
                         None => self.p2p.wait(id, peer, tag),
                     },
                 }
@@ -763,23 +677,16 @@ impl DriverState {
                         return;
                     }
                 }
-                self.running.insert(launch.seq, id);
                 // Frames that arrived before this rank started the collective are fed before
                 // asking whether it waits on a closed peer: a peer that sent its part and then
                 // shut down cleanly left everything needed here.
-                self.starting = true;
+                let early = self.plane.launch(launch.seq, id);
                 self.after_step(now, id, Ok(()));
-                for (from, step, tag, bytes) in self.early.remove(&launch.seq).unwrap_or_default() {
-                    if self.running.contains_key(&launch.seq) {
-                        self.feed(now, id, from, step, tag, bytes);
-                    } else {
-                        self.pool.give(bytes);
-                    }
+                for frame in early {
+                    self.feed(now, id, launch.seq, frame);
                 }
-                self.starting = false;
-                if self.running.contains_key(&launch.seq) {
-                    self.fail_if_stranded(now, id);
-                }
+                self.plane.launched();
+                self.fail_if_stranded(now, id);
             }
         }
     }
@@ -787,18 +694,12 @@ impl DriverState {
     fn handle_event(&mut self, event: Event, effects: &mut Effects) {
         match event {
             Event::WorkFinished(summary) => {
-                if !summary.is_p2p {
-                    self.running.remove(&summary.seq);
-                    self.last_finished_seq = self.last_finished_seq.max(summary.seq);
-                    // Frames for collectives up to the last finished are stale: their
-                    // buffers go back to the pool.
-                    let live = self.early.split_off(&SeqNo(self.last_finished_seq.0.saturating_add(1)));
-                    for (_, _, _, payload) in std::mem::replace(&mut self.early, live).into_values().flatten() {
-                        self.pool.give(payload);
-                    }
+                let finished = self.plane.finish(summary.id, (!summary.is_p2p).then_some(summary.seq));
+                for payload in finished.stale {
+                    self.pool.give(payload);
                 }
                 self.p2p.forget(summary.id);
-                if let Some(p) = self.pending.remove(&summary.id) {
+                if let Some(p) = finished.work {
                     effects.finished.0.push((p.completer, summary, p.outputs));
                 }
             }
