@@ -46,12 +46,12 @@ impl Signature {
     }
 
     /// A signature from [`Signature::encode`]'s bytes (the last byte is reserved).
-    pub fn decode(bytes: &[u8]) -> Result<Signature, String> {
-        let bytes: &[u8; 15] = bytes.try_into().map_err(|_| format!("a signature is 15 bytes, not {}", bytes.len()))?;
-        let op = *OpType::ALL.get(bytes[0] as usize).ok_or_else(|| format!("unknown op code {}", bytes[0]))?;
+    pub fn decode(bytes: &[u8]) -> Result<Signature, SignatureError> {
+        let bytes: &[u8; 15] = bytes.try_into().map_err(|_| SignatureError::Length(bytes.len()))?;
+        let op = *OpType::ALL.get(bytes[0] as usize).ok_or(SignatureError::Op(bytes[0]))?;
         let dtype = match bytes[1] {
             255 => None,
-            code => Some(DType::from_code(code).ok_or_else(|| format!("unknown dtype code {code}"))?),
+            code => Some(DType::from_code(code).ok_or(SignatureError::DType(code))?),
         };
         let root = match u32::from_le_bytes([bytes[2], bytes[3], bytes[4], bytes[5]]) {
             u32::MAX => None,
@@ -61,6 +61,20 @@ impl Signature {
         numel.copy_from_slice(&bytes[6..14]);
         Ok(Signature { op, dtype, root, numel: u64::from_le_bytes(numel) })
     }
+}
+
+/// Bytes [`Signature::decode`] cannot read.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
+pub enum SignatureError {
+    /// Not 15 bytes.
+    #[error("a signature is 15 bytes, not {0}")]
+    Length(usize),
+    /// An op code this build does not know.
+    #[error("unknown op code {0}")]
+    Op(u8),
+    /// A dtype code this build does not know.
+    #[error("unknown dtype code {0}")]
+    DType(u8),
 }
 
 impl fmt::Display for Signature {

@@ -305,8 +305,9 @@ impl Blame {
 
     /// The blame in [`Blame::encode`]'s text (`-` also reads as nobody). At most `max_ranks`
     /// ranks in all, each below `world_size`: a peer's bytes can name no more.
-    pub fn parse(text: &str, world_size: u32) -> Result<Blame, String> {
-        let list = |t: &str| -> Result<Vec<Rank>, String> {
+    pub fn parse(text: &str, world_size: u32) -> Result<Blame, BlameError> {
+        let bad = |why: String| BlameError { text: text.to_owned(), why };
+        let list = |t: &str| -> Result<Vec<Rank>, BlameError> {
             if t.is_empty() {
                 return Ok(Vec::new());
             }
@@ -314,11 +315,11 @@ impl Blame {
                 .split(',')
                 .map(|r| match r.parse::<u32>() {
                     Ok(r) if r < world_size => Ok(Rank(r)),
-                    _ => Err(format!("blame {text:?}: {r:?} is not a rank of a group of {world_size}")),
+                    _ => Err(bad(format!("{r:?} is not a rank of a group of {world_size}"))),
                 })
                 .collect::<Result<Vec<_>, _>>()?;
             if ranks.len() > world_size as usize {
-                return Err(format!("blame {text:?} names more ranks than the group has"));
+                return Err(bad("it names more ranks than the group has".into()));
             }
             Ok(ranks)
         };
@@ -331,13 +332,13 @@ impl Blame {
         if let Some((near, far)) = text.split_once('|') {
             let (near, far) = (list(near)?, list(far)?);
             if near.is_empty() || far.is_empty() {
-                return Err(format!("blame {text:?}: a cut needs ranks on both sides"));
+                return Err(bad("a cut needs ranks on both sides".into()));
             }
             return Ok(Blame::cut(near, far));
         }
         let ranks = list(text)?;
         if ranks.is_empty() {
-            return Err("an empty blame (write ? for nobody)".into());
+            return Err(bad("it is empty (write ? for nobody)".into()));
         }
         Ok(Blame::ranks(ranks))
     }
@@ -570,6 +571,16 @@ impl Lifecycle {
         let end = self.finished_at?;
         Some(self.device_time.unwrap_or_else(|| end.saturating_sub(self.started_at.unwrap_or(self.enqueued_at))))
     }
+}
+
+/// A blame text [`Blame::parse`] cannot read.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("blame {text:?}: {why}")]
+pub struct BlameError {
+    /// The text.
+    pub text: String,
+    /// What is wrong with it.
+    pub why: String,
 }
 
 #[cfg(test)]

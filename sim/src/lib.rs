@@ -36,8 +36,9 @@ pub mod run;
 pub mod workload;
 
 pub use net::TurmoilNet;
-pub use plan::{Change, DeviceFault, Fault, FaultPlan, SLOW_KERNEL_MS, Trigger};
+pub use plan::{Change, DeviceFault, Fault, FaultPlan, PlanError, SLOW_KERNEL_MS, Trigger};
 pub use run::{
-    Backend, Fate, Outcome, RankFn, RankReport, Report, SetupError, Simulation, WorkEvent, WorkOutcome, Workload,
+    Backend, Fate, Outcome, RankError, RankFn, RankReport, Report, SetupError, Simulation, WorkEvent, WorkOutcome,
+    Workload,
 };
-pub use workload::{Script, ScriptOp, Step};
+pub use workload::{Script, ScriptError, ScriptOp, Step};

@@ -561,6 +561,12 @@ pub struct FaultPlan {
     pub faults: Vec<Fault>,
 }
 
+/// A fault plan that does not fit the world or the script ([`FaultPlan::validate`]); the text
+/// says which fault and why.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("{0}")]
+pub struct PlanError(pub String);
+
 impl FaultPlan {
     /// No faults.
     pub fn none() -> FaultPlan {
@@ -574,9 +580,9 @@ impl FaultPlan {
     }
 
     /// Check every fault against the world and the script.
-    pub fn validate(&self, world_size: u32, script: Option<&Script>) -> Result<(), String> {
+    pub fn validate(&self, world_size: u32, script: Option<&Script>) -> Result<(), PlanError> {
         let steps = script.map_or(usize::MAX, |s| s.steps.len());
-        self.faults.iter().try_for_each(|f| f.check(world_size, steps))
+        self.faults.iter().try_for_each(|f| f.check(world_size, steps)).map_err(PlanError)
     }
 
     /// Whether every fault is benign (see [`Fault::is_benign`]).
@@ -771,22 +777,22 @@ mod tests {
         assert!(err("slow 1 5ms extra").contains("unexpected \"extra\""));
         let plan: FaultPlan = "crash 4 @collective 1; hang 0 @collective 9".parse().unwrap();
         let e = plan.validate(4, Some(&Script::allreduces(3, 8))).unwrap_err();
-        assert!(e.contains("rank 4 is not a rank of a 4-rank world"), "{e}");
+        assert!(e.0.contains("rank 4 is not a rank of a 4-rank world"), "{e}");
         let plan: FaultPlan = "hang 0 @collective 9".parse().unwrap();
         let e = plan.validate(4, Some(&Script::allreduces(3, 8))).unwrap_err();
-        assert!(e.contains("collective 9 is past the script's 3 steps"), "{e}");
+        assert!(e.0.contains("collective 9 is past the script's 3 steps"), "{e}");
         let e = "partition 1-1 @5ms".parse::<FaultPlan>().unwrap().validate(4, None).unwrap_err();
-        assert!(e.contains("two different ranks"), "{e}");
+        assert!(e.0.contains("two different ranks"), "{e}");
         let e = "hold 0-1 @50ms until 20ms".parse::<FaultPlan>().unwrap().validate(4, None).unwrap_err();
-        assert!(e.contains("must end after it starts"), "{e}");
+        assert!(e.0.contains("must end after it starts"), "{e}");
         let e = "cut 1..3 @50ms until 20ms".parse::<FaultPlan>().unwrap().validate(4, None).unwrap_err();
-        assert!(e.contains("must end after it starts"), "{e}");
+        assert!(e.0.contains("must end after it starts"), "{e}");
         for bad in ["cut 0..4 @5ms", "cut 2..2 @5ms", "cut 3..1 @5ms"] {
             let e = bad.parse::<FaultPlan>().unwrap().validate(4, None).unwrap_err();
-            assert!(e.contains("a cut needs ranks on both sides"), "{bad}: {e}");
+            assert!(e.0.contains("a cut needs ranks on both sides"), "{bad}: {e}");
         }
         let e = "cut 2..5 @5ms".parse::<FaultPlan>().unwrap().validate(4, None).unwrap_err();
-        assert!(e.contains("rank 4 is not a rank of a 4-rank world"), "{e}");
+        assert!(e.0.contains("rank 4 is not a rank of a 4-rank world"), "{e}");
         "cut 0..3 @5ms; cut 3..4 @5ms".parse::<FaultPlan>().unwrap().validate(4, None).unwrap();
     }
 

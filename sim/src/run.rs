@@ -76,7 +76,11 @@ impl std::str::FromStr for Backend {
 
 /// A workload written as code: given each rank's connected group, do anything; `Err` is the
 /// rank's failure. Its works are reported through the group's completion hook.
-pub type RankFn = Rc<dyn Fn(ProcessGroup) -> Pin<Box<dyn Future<Output = Result<(), String>>>>>;
+pub type RankFn = Rc<dyn Fn(ProcessGroup) -> Pin<Box<dyn Future<Output = Result<(), RankError>>>>>;
+
+/// Why a rank's code workload failed: any error (a `String` converts with `?` or `.into()`).
+/// The report keeps its text ([`Fate::Failed`]).
+pub type RankError = Box<dyn std::error::Error>;
 
 /// What every rank runs.
 #[derive(Clone)]
@@ -189,7 +193,7 @@ impl Simulation {
     pub fn workload<F, Fut>(mut self, name: &str, f: F) -> Simulation
     where
         F: Fn(ProcessGroup) -> Fut + 'static,
-        Fut: Future<Output = Result<(), String>> + 'static,
+        Fut: Future<Output = Result<(), RankError>> + 'static,
     {
         self.workload = Workload::Custom { name: name.to_owned(), run: Rc::new(move |pg| Box::pin(f(pg))) };
         self
@@ -240,12 +244,12 @@ impl Simulation {
         }
         let script = match &self.workload {
             Workload::Script(s) => {
-                s.validate(self.world_size).map_err(SetupError::Script)?;
+                s.validate(self.world_size)?;
                 Some(s)
             }
             Workload::Custom { .. } => None,
         };
-        self.plan.validate(self.world_size, script).map_err(SetupError::Plan)?;
+        self.plan.validate(self.world_size, script)?;
         self.check_backend()?;
         let seed = self.seed.unwrap_or_else(|| {
             let seed = std::time::SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| d.as_nanos() as u64);
@@ -265,11 +269,11 @@ pub enum SetupError {
     #[error("the world size must be at least 1")]
     NoRanks,
     /// The script does not fit the world (its message says where).
-    #[error("{0}")]
-    Script(String),
+    #[error(transparent)]
+    Script(#[from] crate::workload::ScriptError),
     /// The fault plan does not fit the world or the script (its message says where).
-    #[error("{0}")]
-    Plan(String),
+    #[error(transparent)]
+    Plan(#[from] crate::plan::PlanError),
     /// A device fault under the TCP backend.
     #[error("{0}: device faults need the NCCL backend (--backend nccl)")]
     DeviceFaultNeedsNccl(Fault),
@@ -901,7 +905,7 @@ impl RankCtx {
             Workload::Script(script) => self.run_script(&pg, script).await,
             Workload::Custom { run, .. } => match run(pg.clone()).await {
                 Ok(()) => Fate::Finished,
-                Err(error) => Fate::Failed { error },
+                Err(error) => Fate::Failed { error: error.to_string() },
             },
         };
         if matches!(fate, Fate::Hung { .. }) {

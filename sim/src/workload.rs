@@ -186,15 +186,23 @@ impl Script {
     }
 
     /// Check the script against a world size: roots in range.
-    pub fn validate(&self, world_size: u32) -> Result<(), String> {
+    pub fn validate(&self, world_size: u32) -> Result<(), ScriptError> {
         for (k, s) in self.steps.iter().enumerate() {
             if s.op == ScriptOp::Broadcast && s.root >= world_size {
-                return Err(format!("step {k} ({s}): root {} is not a rank of a {world_size}-rank world", s.root));
+                return Err(ScriptError(format!(
+                    "step {k} ({s}): root {} is not a rank of a {world_size}-rank world",
+                    s.root
+                )));
             }
         }
         Ok(())
     }
 }
+
+/// A script that does not fit the world ([`Script::validate`]); the text says which step and why.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("{0}")]
+pub struct ScriptError(pub String);
 
 impl FromStr for Script {
     type Err = String;
@@ -305,7 +313,7 @@ mod tests {
         assert!("allreduce:4:f32:7".parse::<Script>().unwrap_err().contains("root=R"));
         assert!("".parse::<Script>().unwrap_err().contains("empty"));
         let s: Script = "broadcast:4:f32:root=4".parse().unwrap();
-        assert!(s.validate(4).unwrap_err().contains("root 4 is not a rank of a 4-rank world"));
+        assert!(s.validate(4).unwrap_err().0.contains("root 4 is not a rank of a 4-rank world"));
         s.validate(5).unwrap();
     }
 

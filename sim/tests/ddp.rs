@@ -40,7 +40,7 @@ fn ddp(world: u32, steps: u32, pause: Duration, plan: FaultPlan) -> cohort_sim::
                         .map(|i| (0..n).map(|q| grad(q, p, step, numel)[i]).sum::<f64>() / f64::from(n))
                         .collect();
                     if t.to_f64s() != want {
-                        return Err(format!("step {step}: parameter {p} is not the exact average"));
+                        return Err(format!("step {step}: parameter {p} is not the exact average").into());
                     }
                 }
                 tokio::time::sleep(pause).await;

@@ -141,7 +141,7 @@ fn code_workloads_get_a_process_group_and_their_works_are_reported() {
             send.await.map_err(|e| e.to_string())?;
             let want = ((me + n - 1) % n) as f64;
             if got[0].to_f64s() != vec![want; 8] {
-                return Err(format!("rank {me} received {:?}", got[0].to_f64s()));
+                return Err(format!("rank {me} received {:?}", got[0].to_f64s()).into());
             }
             tokio::time::sleep(Duration::from_millis(5)).await;
             Ok(())

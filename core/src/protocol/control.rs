@@ -79,7 +79,7 @@ pub fn decode_control(
                 Ok(r) if r < world_size => Rank(r),
                 _ => return Err(bad(format!("origin {origin:?} is not a rank of a group of {world_size}"))),
             };
-            let blame = Blame::parse(blame, world_size).map_err(bad)?;
+            let blame = Blame::parse(blame, world_size).map_err(|e| bad(e.to_string()))?;
             ControlMsg::Error { origin, blame, message: message.to_owned() }
         }
         FrameKind::Abort => {
@@ -100,7 +100,7 @@ pub fn decode_control(
         FrameKind::Census => {
             let sig = match payload {
                 [] => None,
-                bytes => Some(Signature::decode(bytes).map_err(bad)?),
+                bytes => Some(Signature::decode(bytes).map_err(|e| bad(e.to_string()))?),
             };
             if sig.and_then(|s| s.root).is_some_and(|r| r.0 >= world_size) {
                 return Err(bad(format!("the root is not in a group of {world_size}")));

@@ -50,7 +50,7 @@ impl FailureRecord {
             Ok(r) if r < world_size => Rank(r),
             _ => return Err(bad("the origin is not a rank of the group")),
         };
-        let blame = Blame::parse(blame, world_size).map_err(|e| bad(&e))?;
+        let blame = Blame::parse(blame, world_size).map_err(|e| bad(&e.to_string()))?;
         Ok(FailureRecord { origin, blame, message: message.to_owned() })
     }
 }
