@@ -2,7 +2,7 @@
 //! the [`Report`].
 
 use std::cell::RefCell;
-use std::collections::VecDeque;
+use std::collections::{BTreeMap, VecDeque};
 use std::fmt;
 use std::future::Future;
 use std::net::SocketAddr;
@@ -14,7 +14,7 @@ use std::time::{Duration, UNIX_EPOCH};
 use cohort_core::analyze::{Diagnosis, diagnose};
 use cohort_core::group::{ErrorHandling, HeartbeatConfig};
 use cohort_core::recorder::Dump;
-use cohort_core::work::{Rank, WorkState};
+use cohort_core::work::{Rank, WorkState, rank_ranges};
 use cohort_transports::{
     ProcessGroup, TcpOptions, TcpStore, TcpStoreConfig, TcpStoreServer, TcpStoreServerConfig, Work,
 };
@@ -484,32 +484,30 @@ impl fmt::Display for Report {
             writeln!(f, "  {fault}: took effect at {ms} ms")?;
         }
         writeln!(f, "collective timeout {} ms; simulation stopped at {} ms", self.timeout_ms, self.end_ms)?;
-        for r in &self.ranks {
-            let fate = match &r.fate {
-                Fate::Finished => "finished".to_owned(),
-                Fate::Failed { error } => format!("failed: {error}"),
-                Fate::InitFailed { error } => format!("could not join: {error}"),
-                Fate::Crashed { at_ms } => format!("crashed at {at_ms} ms"),
-                Fate::Hung { collective, learned: None } => format!("hung before collective {collective}"),
-                Fate::Hung { collective, learned: Some(e) } => {
-                    format!("hung before collective {collective}, then learned: {e}")
-                }
-                Fate::StillRunning => "still running at the time limit".to_owned(),
-            };
-            writeln!(f, "rank {}: {fate}", r.rank)?;
-            for w in &r.works {
-                let seq = w.seq.map_or_else(|| "-".to_owned(), |s| s.to_string());
-                let end = w.ended_ms.map_or_else(|| "…".to_owned(), |e| e.to_string());
-                write!(f, "  #{} {} seq {seq}: {:?} {}..{end} ms", w.step, w.call, w.outcome, w.submitted_ms)?;
-                if let Some(e) = &w.error {
-                    write!(f, ": {e}")?;
-                }
-                writeln!(f)?;
+        if self.ranks.len() <= FOLD_ABOVE {
+            for r in &self.ranks {
+                write_rank(f, r, &format!("rank {}", r.rank))?;
             }
-            if r.works.is_empty() {
-                for e in &r.events {
-                    writeln!(f, "  seq {} {} {:?} at {} ms", e.seq, e.op, e.state, e.at_ms)?;
-                }
+        } else {
+            // At scale most ranks end alike: one of them stands for the rest, and only the
+            // ranks that differ from that majority are shown one by one (`--json` has all).
+            let mut shapes: BTreeMap<Vec<String>, Vec<Rank>> = BTreeMap::new();
+            for r in &self.ranks {
+                shapes.entry(shape(r)).or_default().push(Rank(r.rank));
+            }
+            let majority = shapes.values().max_by_key(|ranks| ranks.len()).cloned().unwrap_or_default();
+            if let Some(first) = majority.first().and_then(|r| self.ranks.iter().find(|x| x.rank == r.0)) {
+                let label = format!(
+                    "ranks {} ({} of {}, alike; rank {} shown)",
+                    rank_ranges(&majority),
+                    majority.len(),
+                    self.ranks.len(),
+                    first.rank
+                );
+                write_rank(f, first, &label)?;
+            }
+            for r in self.ranks.iter().filter(|r| !majority.contains(&Rank(r.rank))) {
+                write_rank(f, r, &format!("rank {}", r.rank))?;
             }
         }
         writeln!(f, "diagnosis:")?;
@@ -518,6 +516,58 @@ impl fmt::Display for Report {
         }
         Ok(())
     }
+}
+
+/// Reports of up to this many ranks show every rank; larger ones fold the ranks that end
+/// alike (see [`shape`]) into one.
+const FOLD_ABOVE: usize = 16;
+
+/// What two ranks that "end alike" share: how the run ended and each work's step, call, seq
+/// and outcome, without times, error texts or rank numbers (which differ from rank to rank
+/// even when they ended the same way).
+fn shape(r: &RankReport) -> Vec<String> {
+    let fate = match &r.fate {
+        Fate::Finished => "finished".to_owned(),
+        Fate::Failed { .. } => "failed".to_owned(),
+        Fate::InitFailed { .. } => "could not join".to_owned(),
+        Fate::Crashed { .. } => "crashed".to_owned(),
+        Fate::Hung { collective, .. } => format!("hung at {collective}"),
+        Fate::StillRunning => "still running".to_owned(),
+    };
+    let works = r.works.iter().map(|w| format!("#{} {} {:?} {:?}", w.step, w.call, w.seq, w.outcome));
+    let events = r.works.is_empty().then(|| r.events.iter().map(|e| format!("{} {} {:?}", e.seq, e.op, e.state)));
+    std::iter::once(fate).chain(works).chain(events.into_iter().flatten()).collect()
+}
+
+/// One rank's part of the text report, under `label`.
+fn write_rank(f: &mut fmt::Formatter<'_>, r: &RankReport, label: &str) -> fmt::Result {
+    let fate = match &r.fate {
+        Fate::Finished => "finished".to_owned(),
+        Fate::Failed { error } => format!("failed: {error}"),
+        Fate::InitFailed { error } => format!("could not join: {error}"),
+        Fate::Crashed { at_ms } => format!("crashed at {at_ms} ms"),
+        Fate::Hung { collective, learned: None } => format!("hung before collective {collective}"),
+        Fate::Hung { collective, learned: Some(e) } => {
+            format!("hung before collective {collective}, then learned: {e}")
+        }
+        Fate::StillRunning => "still running at the time limit".to_owned(),
+    };
+    writeln!(f, "{label}: {fate}")?;
+    for w in &r.works {
+        let seq = w.seq.map_or_else(|| "-".to_owned(), |s| s.to_string());
+        let end = w.ended_ms.map_or_else(|| "…".to_owned(), |e| e.to_string());
+        write!(f, "  #{} {} seq {seq}: {:?} {}..{end} ms", w.step, w.call, w.outcome, w.submitted_ms)?;
+        if let Some(e) = &w.error {
+            write!(f, ": {e}")?;
+        }
+        writeln!(f)?;
+    }
+    if r.works.is_empty() {
+        for e in &r.events {
+            writeln!(f, "  seq {} {} {:?} at {} ms", e.seq, e.op, e.state, e.at_ms)?;
+        }
+    }
+    Ok(())
 }
 
 /// Simulated milliseconds since the start (inside a host).

@@ -187,3 +187,21 @@ fn a_receive_whose_send_never_comes_names_the_sender() {
     assert_eq!(report.blamed(), vec![1], "{}", report.diagnosis);
     assert!(report.diagnosis.to_string().contains("rank 1 never sent what receive #1 on rank 0 waits for"));
 }
+
+#[test]
+fn a_large_report_shows_one_rank_for_the_majority_and_every_rank_that_differs() {
+    let report = run(24, 12, "allreduce:1024,allreduce:1024,allreduce:1024", "hang 17 @collective 1");
+    let text = report.summary();
+    let rank_lines: Vec<&str> = text.lines().filter(|l| l.starts_with("rank")).collect();
+    // Rank 17 hangs; the others fail alike, naming it. The hung rank is shown on its own, the
+    // rest fold into one entry that lists them as ranges.
+    assert!(matches!(report.ranks[17].fate, Fate::Hung { collective: 1, .. }));
+    assert!(rank_lines.iter().any(|l| l.starts_with("rank 17: hung before collective 1")), "{text}");
+    let folded = rank_lines.iter().find(|l| l.starts_with("ranks ")).unwrap_or_else(|| panic!("{text}"));
+    assert!(folded.contains("alike; rank 0 shown"), "{folded}");
+    let listed: usize = rank_lines.len() - 1;
+    let alike: usize = folded.split(" (").nth(1).and_then(|s| s.split(' ').next()).unwrap().parse().unwrap();
+    assert_eq!(alike + listed, 24, "every rank is in the folded entry or shown on its own: {text}");
+    assert!(listed < 24 / 2, "most ranks fold: {text}");
+    assert_eq!(report.blamed(), vec![17]);
+}
