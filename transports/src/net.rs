@@ -29,6 +29,14 @@ pub trait Net: Clone + Send + Sync + 'static {
 
     /// Opens one connection to `host:port`; `host` is a name or an address literal.
     fn connect(&self, host: &str, port: u16) -> impl Future<Output = io::Result<Self::Stream>> + Send;
+
+    /// The stream as a real TCP socket, if it is one: the TCP backend then serves it on its
+    /// fast path (a sending thread writes its own frames, a waiting thread reads its own; see
+    /// `docs/tcp.md`), which needs the socket's descriptor. Otherwise (the default: a simulated
+    /// stream) the stream comes back and is served by the writer and reader tasks alone.
+    fn into_tcp(stream: Self::Stream) -> Result<TcpStream, Self::Stream> {
+        Err(stream)
+    }
 }
 
 /// A bound listener.
@@ -41,6 +49,11 @@ pub trait Listener: Send + Sync + 'static {
 
     /// The address actually bound (the chosen port when bound to port 0).
     fn local_addr(&self) -> io::Result<SocketAddr>;
+
+    /// An accepted stream as a real TCP socket, if it is one (see [`Net::into_tcp`]).
+    fn into_tcp(stream: Self::Stream) -> Result<TcpStream, Self::Stream> {
+        Err(stream)
+    }
 }
 
 /// Real sockets through tokio. Every stream, accepted or connected, has `TCP_NODELAY` set: the
@@ -67,6 +80,10 @@ impl Net for TokioNet {
         stream.set_nodelay(true)?;
         Ok(stream)
     }
+
+    fn into_tcp(stream: TcpStream) -> Result<TcpStream, TcpStream> {
+        Ok(stream)
+    }
 }
 
 impl Listener for TokioListener {
@@ -80,6 +97,10 @@ impl Listener for TokioListener {
 
     fn local_addr(&self) -> io::Result<SocketAddr> {
         self.inner.local_addr()
+    }
+
+    fn into_tcp(stream: TcpStream) -> Result<TcpStream, TcpStream> {
+        Ok(stream)
     }
 }
 

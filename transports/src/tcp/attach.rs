@@ -18,43 +18,42 @@ use super::state::deliver;
 
 /// Serve one connection to `peer`: a writer task writes what `rx` queues (and says goodbye when
 /// the driver closes it), a reader task feeds what arrives to the driver through the peer's
-/// close tally. The caller has counted the connection in the tally. A real TCP socket takes
-/// the fast path (see [`super::socket`]). `index`: the connection's place in the peer's set
-/// (connection 0 carries the small frames of both directions).
-pub(crate) fn attach<S>(inner: &Arc<Inner>, peer: Rank, stream: S, rx: link::LaneRx, index: usize)
-where
+/// close tally. The caller has counted the connection in the tally. A stream that `into_tcp`
+/// (the network's [`Net::into_tcp`](crate::net::Net::into_tcp)) finds to be a real TCP socket
+/// takes the fast path (see [`super::socket`]). `index`: the connection's place in the peer's
+/// set (connection 0 carries the small frames of both directions).
+pub(crate) fn attach<S>(
+    inner: &Arc<Inner>,
+    peer: Rank,
+    stream: S,
+    into_tcp: fn(S) -> Result<tokio::net::TcpStream, S>,
+    rx: link::LaneRx,
+    index: usize,
+) where
     S: AsyncRead + AsyncWrite + Send + 'static,
 {
-    let mut slot = Some(stream);
-    if let Some(tcp) = (&mut slot as &mut dyn std::any::Any).downcast_mut::<Option<tokio::net::TcpStream>>()
-        && let Some(tcp) = tcp.take()
-    {
-        let taken = {
-            let _runtime = inner.runtime.enter();
-            socket::take(tcp)
-        };
-        match taken {
-            Ok(fast) => attach_fast(inner, peer, fast, rx, index == 0),
-            Err((e, Some(tcp))) => {
-                tracing::debug!(%peer, "no fast path for this connection ({e})");
-                attach_generic(inner, peer, tcp, rx);
-            }
-            Err((e, None)) => {
-                let Some(tally) = inner.tallies.get(peer.index()) else { return };
-                let closed = link::Inbound::Closed {
-                    from: peer,
-                    reason: format!("could not take the socket: {e}"),
-                    clean: false,
-                };
-                if tally.pass(&closed) {
-                    inner.input(|st, fx| deliver(st, fx, closed));
-                }
+    let tcp = match into_tcp(stream) {
+        Err(stream) => return attach_generic(inner, peer, stream, rx),
+        Ok(tcp) => tcp,
+    };
+    let taken = {
+        let _runtime = inner.runtime.enter();
+        socket::take(tcp)
+    };
+    match taken {
+        Ok(fast) => attach_fast(inner, peer, fast, rx, index == 0),
+        Err((e, Some(tcp))) => {
+            tracing::debug!(%peer, "no fast path for this connection ({e})");
+            attach_generic(inner, peer, tcp, rx);
+        }
+        Err((e, None)) => {
+            let Some(tally) = inner.tallies.get(peer.index()) else { return };
+            let closed =
+                link::Inbound::Closed { from: peer, reason: format!("could not take the socket: {e}"), clean: false };
+            if tally.pass(&closed) {
+                inner.input(|st, fx| deliver(st, fx, closed));
             }
         }
-        return;
-    }
-    if let Some(stream) = slot {
-        attach_generic(inner, peer, stream, rx);
     }
 }
 

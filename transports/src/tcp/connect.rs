@@ -173,7 +173,7 @@ impl ProcessGroup {
         });
         for (peer, stream, rx, index) in attached {
             let rx = rx.unwrap_or_else(|| inner.lock().idle_writer());
-            attach(&inner, peer, stream, rx, index);
+            attach(&inner, peer, stream, N::into_tcp, rx, index);
         }
         let weak = Arc::downgrade(&inner);
         let mut tasks = vec![

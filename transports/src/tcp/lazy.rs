@@ -61,7 +61,7 @@ async fn dial<N: Net>(net: N, inner: Arc<Inner>, peer: Rank, lanes: Vec<LaneRx>)
                 streams.iter().for_each(|_| tally.add());
             }
             for (index, (stream, rx)) in streams.into_iter().zip(lanes).enumerate() {
-                attach(&inner, peer, stream, rx, index);
+                attach(&inner, peer, stream, N::into_tcp, rx, index);
             }
             inner.input(|st, fx| st.peer_connected(now(), peer, fx));
         }
@@ -100,7 +100,7 @@ pub(crate) async fn serve_accepts<L: Listener>(listener: L, weak: Weak<Inner>, e
                         set.insert(index, stream);
                         if set.len() == k {
                             let streams: Vec<L::Stream> = sets.remove(&peer.0).unwrap_or_default().into_values().collect();
-                            serve_set(&inner, peer, streams);
+                            serve_set(&inner, peer, streams, L::into_tcp);
                         }
                     }
                     Err(HandshakeFailure::Refused(e)) if is_misconfigured_rank(&e) => {
@@ -124,7 +124,7 @@ pub(crate) async fn serve_accepts<L: Listener>(listener: L, weak: Weak<Inner>, e
 
 /// Serve a full set of connections accepted from `peer`: as this rank's lanes to it if it has
 /// none yet, else read-only.
-fn serve_set<S>(inner: &Arc<Inner>, peer: Rank, streams: Vec<S>)
+fn serve_set<S>(inner: &Arc<Inner>, peer: Rank, streams: Vec<S>, into_tcp: fn(S) -> Result<tokio::net::TcpStream, S>)
 where
     S: tokio::io::AsyncRead + tokio::io::AsyncWrite + Send + 'static,
 {
@@ -135,7 +135,7 @@ where
             Some(rx) => rx,
             None => inner.lock().idle_writer(),
         };
-        attach(inner, peer, stream, rx, index);
+        attach(inner, peer, stream, into_tcp, rx, index);
     }
     inner.timer.notify_one();
 }
