@@ -8,7 +8,7 @@ use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
 use cohort_core::group::{Collective, Completion, GroupConfig, GroupState, TensorSpec};
-use cohort_core::protocol::{AuthToken, Frame, FrameHeader, Handshake, HandshakeError, HandshakeReply};
+use cohort_core::protocol::{AuthNonce, Frame, FrameHeader, Handshake, HandshakeError, HandshakeReply};
 use cohort_core::store::{Reply, Request};
 use cohort_core::{DType, GroupId, OpType, Rank, SeqNo};
 
@@ -51,10 +51,10 @@ fn main() {
         world_size: 4,
         connection: 0,
         connections_per_peer: 1,
-        auth_token: None,
+        auth_nonce: None,
     };
     write(&dir, "handshake_decode", "plain", &hs.encode());
-    let token = Handshake { auth_token: Some(AuthToken([7; 32])), connection: 1, ..hs };
+    let token = Handshake { auth_nonce: Some(AuthNonce([7; 32])), connection: 1, ..hs };
     write(&dir, "handshake_decode", "token", &token.encode());
     write(&dir, "handshake_decode", "accept", &HandshakeReply::Accept.encode());
     let wrong = HandshakeError::WorldSizeMismatch { peer_rank: Rank(1), peer: 3, ours: 4 };

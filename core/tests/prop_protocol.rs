@@ -2,7 +2,7 @@
 //! decoding that does not care where the byte stream is split.
 
 use cohort_core::protocol::{
-    AuthToken, FRAME_MAGIC, Frame, FrameDecoder, FrameError, FrameHeader, FrameKind, FrameLimits, HANDSHAKE_LEN,
+    AuthNonce, FRAME_MAGIC, Frame, FrameDecoder, FrameError, FrameHeader, FrameKind, FrameLimits, HANDSHAKE_LEN,
     HANDSHAKE_MAGIC, HEADER_LEN, Handshake, HandshakeReply, MAX_MESSAGE_LEN, PROTOCOL_VERSION, RejectReason,
 };
 use cohort_core::{GroupId, Rank, SeqNo};
@@ -96,7 +96,7 @@ fn handshake() -> impl Strategy<Value = Handshake> {
             world_size,
             connection,
             connections_per_peer,
-            auth_token: token.map(AuthToken),
+            auth_nonce: token.map(AuthNonce),
         },
     )
 }

@@ -21,6 +21,7 @@ use std::str::FromStr;
 use std::time::Duration;
 
 use cohort_core::group::ErrorHandling;
+use cohort_core::protocol::AuthSecret;
 
 /// An environment variable: cohort's name, then the torch names read when it is not set.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -103,6 +104,10 @@ vars! {
     CUDA_DEVICE = ["COHORT_CUDA_DEVICE"];
     /// Whether a SIGTERM prints where each group was (default on).
     SIGTERM_REPORT = ["COHORT_SIGTERM_REPORT"];
+    /// A secret every rank (and store client) must prove it knows (see [`Env::auth_secret`]).
+    AUTH_TOKEN = ["COHORT_AUTH_TOKEN"];
+    /// A file holding that secret.
+    AUTH_TOKEN_FILE = ["COHORT_AUTH_TOKEN_FILE"];
 }
 
 /// An environment variable that is missing or does not parse.
@@ -243,6 +248,24 @@ impl<F: Fn(&str) -> Option<String>> Env<F> {
         self.string(var).map(PathBuf::from)
     }
 
+    /// The job's shared secret: [`AUTH_TOKEN`]'s value, or else the contents of the file
+    /// [`AUTH_TOKEN_FILE`] names (a trailing newline dropped); `None` when neither is set. An
+    /// error never shows the secret, only the file's name.
+    pub fn auth_secret(&self) -> Result<Option<AuthSecret>, EnvError> {
+        if let Some(token) = self.string(AUTH_TOKEN) {
+            return Ok(AuthSecret::new(token.into_bytes()));
+        }
+        let Some((name, path)) = self.raw(AUTH_TOKEN_FILE) else { return Ok(None) };
+        let mut bytes = std::fs::read(&path).map_err(|e| EnvError::invalid(name, path.clone(), e.to_string()))?;
+        if bytes.last() == Some(&b'\n') {
+            bytes.pop();
+            if bytes.last() == Some(&b'\r') {
+                bytes.pop();
+            }
+        }
+        AuthSecret::new(bytes).map(Some).ok_or_else(|| EnvError::invalid(name, path, "the file is empty"))
+    }
+
     /// [`ASYNC_ERROR_HANDLING`], a level of 0 to 3.
     pub fn error_handling(&self) -> Result<Option<ErrorHandling>, EnvError> {
         let Some((name, value)) = self.raw(ASYNC_ERROR_HANDLING) else { return Ok(None) };
@@ -265,6 +288,29 @@ mod tests {
     fn table(pairs: &[(&str, &str)]) -> Env<impl Fn(&str) -> Option<String>> {
         let pairs: Vec<(String, String)> = pairs.iter().map(|&(n, v)| (n.to_owned(), v.to_owned())).collect();
         Env::new(move |name: &str| pairs.iter().find(|(n, _)| n == name).map(|(_, v)| v.clone()))
+    }
+
+    #[test]
+    fn the_secret_comes_from_the_variable_or_else_its_file_and_an_error_never_shows_it() {
+        let dir = std::env::temp_dir().join(format!("cohort-auth-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let file = dir.join("token");
+        std::fs::write(&file, "from the file\n").unwrap();
+        let path = file.to_str().unwrap();
+        assert_eq!(table(&[]).auth_secret(), Ok(None));
+        assert_eq!(table(&[("COHORT_AUTH_TOKEN_FILE", path)]).auth_secret(), Ok(AuthSecret::new("from the file")));
+        assert_eq!(
+            table(&[("COHORT_AUTH_TOKEN", "s3cret"), ("COHORT_AUTH_TOKEN_FILE", path)]).auth_secret(),
+            Ok(AuthSecret::new("s3cret")),
+            "the variable wins"
+        );
+        std::fs::write(&file, "\n").unwrap();
+        let e = table(&[("COHORT_AUTH_TOKEN_FILE", path)]).auth_secret().unwrap_err().to_string();
+        assert!(e.contains("COHORT_AUTH_TOKEN_FILE") && e.contains("the file is empty"), "{e}");
+        let missing = dir.join("missing");
+        let e = table(&[("COHORT_AUTH_TOKEN_FILE", missing.to_str().unwrap())]).auth_secret().unwrap_err();
+        assert!(e.to_string().contains("COHORT_AUTH_TOKEN_FILE"), "{e}");
+        std::fs::remove_dir_all(&dir).unwrap();
     }
 
     #[test]

@@ -2,6 +2,7 @@
 
 use std::fmt;
 
+use super::auth::AuthNonce;
 use super::{PROTOCOL_VERSION, read_array};
 use crate::work::{GroupId, Rank};
 
@@ -18,26 +19,8 @@ pub const REPLY_PREFIX_LEN: usize = 4;
 /// character boundary when encoded and refused when decoded.
 pub const MAX_REPLY_MESSAGE_LEN: usize = 4096;
 
-/// Flag bit: the handshake carries an auth-token digest.
-const FLAG_AUTH_TOKEN: u8 = 0b1;
-
-/// A 32-byte auth-token digest. Core does not hash: the driver hands in the digest and core
-/// carries and compares the bytes (in constant time). `Debug` does not print the bytes.
-#[derive(Clone, Copy, PartialEq, Eq, Hash)]
-pub struct AuthToken(pub [u8; 32]);
-
-impl AuthToken {
-    /// Compares without branching on the bytes, so timing does not reveal the common prefix.
-    fn matches(&self, other: &AuthToken) -> bool {
-        self.0.iter().zip(other.0.iter()).fold(0u8, |acc, (a, b)| acc | (a ^ b)) == 0
-    }
-}
-
-impl fmt::Debug for AuthToken {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str("AuthToken(..)")
-    }
-}
+/// Flag bit: the sender authenticates; the handshake carries its challenge.
+const FLAG_AUTH: u8 = 0b1;
 
 /// What a rank says about itself when it opens (or accepts) a connection. See the
 /// [module docs](super) for the layout and the connection sequence.
@@ -53,8 +36,8 @@ pub struct Handshake {
     pub connection: u16,
     /// How many connections the sender opens to each peer (both sides must agree).
     pub connections_per_peer: u8,
-    /// The auth-token digest, when the job is configured with a token.
-    pub auth_token: Option<AuthToken>,
+    /// The sender's challenge, when it authenticates (see [`super::auth`]).
+    pub auth_nonce: Option<AuthNonce>,
 }
 
 impl Handshake {
@@ -68,15 +51,15 @@ impl Handshake {
         out[12..16].copy_from_slice(&self.rank.0.to_le_bytes());
         out[16..20].copy_from_slice(&self.world_size.to_le_bytes());
         out[21] = self.connections_per_peer;
-        if let Some(token) = &self.auth_token {
-            out[20] = FLAG_AUTH_TOKEN;
-            out[24..56].copy_from_slice(&token.0);
+        if let Some(nonce) = &self.auth_nonce {
+            out[20] = FLAG_AUTH;
+            out[24..56].copy_from_slice(&nonce.0);
         }
         out
     }
 
     /// Decodes a handshake. Total: refuses a bad magic, another protocol version, unknown flag
-    /// bits, non-zero reserved bytes, and token bytes without the token flag. Whether the
+    /// bits, non-zero reserved bytes, and challenge bytes without the auth flag. Whether the
     /// handshake fits this rank is [`Handshake::check`]'s business.
     pub fn decode(bytes: &[u8; HANDSHAKE_LEN]) -> Result<Handshake, HandshakeError> {
         let magic = u32::from_le_bytes(read_array(bytes, 0));
@@ -88,17 +71,17 @@ impl Handshake {
             return Err(HandshakeError::VersionMismatch { peer: version });
         }
         let flags = bytes[20];
-        if flags & !FLAG_AUTH_TOKEN != 0 {
+        if flags & !FLAG_AUTH != 0 {
             return Err(HandshakeError::UnknownFlags { flags });
         }
         if let Some((offset, found)) = (22..24).map(|i| (i, bytes[i])).find(|&(_, b)| b != 0) {
             return Err(HandshakeError::ReservedNotZero { offset, found });
         }
-        let token: [u8; 32] = read_array(bytes, 24);
-        let auth_token = if flags & FLAG_AUTH_TOKEN != 0 {
-            Some(AuthToken(token))
-        } else if token.iter().any(|&b| b != 0) {
-            return Err(HandshakeError::StrayAuthToken);
+        let nonce: [u8; 32] = read_array(bytes, 24);
+        let auth_nonce = if flags & FLAG_AUTH != 0 {
+            Some(AuthNonce(nonce))
+        } else if nonce.iter().any(|&b| b != 0) {
+            return Err(HandshakeError::StrayAuthNonce);
         } else {
             None
         };
@@ -108,13 +91,14 @@ impl Handshake {
             world_size: u32::from_le_bytes(read_array(bytes, 16)),
             connection: u16::from_le_bytes(read_array(bytes, 6)),
             connections_per_peer: bytes[21],
-            auth_token,
+            auth_nonce,
         })
     }
 
     /// Checks a peer's handshake against what this rank expects. Reports the first mismatch,
     /// in this order: group, world size, rank out of range, rank equal to this rank, rank other
-    /// than the one dialled, connection index, auth token.
+    /// than the one dialled, connection index, authentication (whether both sides
+    /// authenticate; the proofs that follow are checked by [`super::auth::verify`]).
     pub fn check(&self, expected: &HandshakeExpectation) -> Result<(), HandshakeError> {
         if self.group != expected.group {
             return Err(HandshakeError::GroupMismatch { peer: self.group, ours: expected.group });
@@ -150,12 +134,10 @@ impl Handshake {
                 connections_per_peer: expected.connections_per_peer,
             });
         }
-        match (&self.auth_token, &expected.auth_token) {
-            (None, None) => Ok(()),
-            (Some(theirs), Some(ours)) if theirs.matches(ours) => Ok(()),
-            (Some(_), Some(_)) => Err(HandshakeError::AuthTokenMismatch),
-            (None, Some(_)) => Err(HandshakeError::MissingAuthToken),
-            (Some(_), None) => Err(HandshakeError::UnexpectedAuthToken),
+        match (self.auth_nonce.is_some(), expected.auth) {
+            (false, false) | (true, true) => Ok(()),
+            (false, true) => Err(HandshakeError::MissingAuth { peer_rank: self.rank }),
+            (true, false) => Err(HandshakeError::UnexpectedAuth { peer_rank: self.rank }),
         }
     }
 }
@@ -173,15 +155,15 @@ pub struct HandshakeExpectation {
     pub peer: Option<Rank>,
     /// How many connections each pair of ranks opens; connection indices run below it.
     pub connections_per_peer: u16,
-    /// The auth-token digest every rank must present, if the job has one.
-    pub auth_token: Option<AuthToken>,
+    /// Whether every peer must authenticate (this rank has a secret).
+    pub auth: bool,
 }
 
 impl HandshakeExpectation {
     /// An expectation for `rank` of a `world_size`-rank `group`: any peer rank, one connection
-    /// per peer, no auth token.
+    /// per peer, no authentication.
     pub const fn new(group: GroupId, rank: Rank, world_size: u32) -> Self {
-        HandshakeExpectation { group, rank, world_size, peer: None, connections_per_peer: 1, auth_token: None }
+        HandshakeExpectation { group, rank, world_size, peer: None, connections_per_peer: 1, auth: false }
     }
 
     /// The same, for a connection this side dialled to `peer`.
@@ -196,13 +178,14 @@ impl HandshakeExpectation {
         self
     }
 
-    /// The same, requiring `token`.
-    pub const fn with_auth_token(mut self, token: AuthToken) -> Self {
-        self.auth_token = Some(token);
+    /// The same, requiring peers to authenticate.
+    pub const fn with_auth(mut self) -> Self {
+        self.auth = true;
         self
     }
 
-    /// The handshake this rank sends on connection `connection`.
+    /// The handshake this rank sends on connection `connection`, without a challenge (a rank
+    /// that authenticates sets [`Handshake::auth_nonce`] to a fresh one).
     pub const fn handshake(&self, connection: u16) -> Handshake {
         Handshake {
             group: self.group,
@@ -214,7 +197,7 @@ impl HandshakeExpectation {
             } else {
                 self.connections_per_peer as u8
             },
-            auth_token: self.auth_token,
+            auth_nonce: None,
         }
     }
 }
@@ -224,8 +207,8 @@ impl HandshakeExpectation {
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 #[non_exhaustive]
 pub enum RejectReason {
-    /// Code 7. Auth token missing, unexpected or different.
-    AuthToken,
+    /// Code 7. Authentication missing, unexpected or failed.
+    Auth,
     /// Code 1. The handshake did not decode (magic, flags, reserved bytes).
     BadHandshake,
     /// Code 6. Connection index out of range.
@@ -245,7 +228,7 @@ pub enum RejectReason {
 impl RejectReason {
     /// Every reason, in declaration order.
     pub const ALL: [RejectReason; 8] = [
-        RejectReason::AuthToken,
+        RejectReason::Auth,
         RejectReason::BadHandshake,
         RejectReason::ConnectionIndex,
         RejectReason::GroupMismatch,
@@ -264,7 +247,7 @@ impl RejectReason {
             RejectReason::WorldSizeMismatch => 4,
             RejectReason::RankMismatch => 5,
             RejectReason::ConnectionIndex => 6,
-            RejectReason::AuthToken => 7,
+            RejectReason::Auth => 7,
             RejectReason::Other => 8,
         }
     }
@@ -278,7 +261,7 @@ impl RejectReason {
             4 => Some(RejectReason::WorldSizeMismatch),
             5 => Some(RejectReason::RankMismatch),
             6 => Some(RejectReason::ConnectionIndex),
-            7 => Some(RejectReason::AuthToken),
+            7 => Some(RejectReason::Auth),
             8 => Some(RejectReason::Other),
             _ => None,
         }
@@ -287,7 +270,7 @@ impl RejectReason {
     /// Lower-case name, as used in error messages.
     pub const fn name(self) -> &'static str {
         match self {
-            RejectReason::AuthToken => "auth token",
+            RejectReason::Auth => "authentication",
             RejectReason::BadHandshake => "bad handshake",
             RejectReason::ConnectionIndex => "connection index",
             RejectReason::GroupMismatch => "group mismatch",
@@ -446,9 +429,9 @@ pub enum HandshakeError {
         /// Its value.
         found: u8,
     },
-    /// Auth-token bytes without the flag that says a token is present.
-    #[error("handshake carries auth token bytes but its token flag is clear")]
-    StrayAuthToken,
+    /// Challenge bytes without the flag that says the sender authenticates.
+    #[error("handshake carries auth challenge bytes but its auth flag is clear")]
+    StrayAuthNonce,
     /// The peer serves another group.
     #[error("peer says group {peer}, this connection is for group {ours}")]
     GroupMismatch {
@@ -509,15 +492,26 @@ pub enum HandshakeError {
         /// This rank's.
         ours: u16,
     },
-    /// Both sides have an auth token, and they differ.
-    #[error("auth token mismatch")]
-    AuthTokenMismatch,
-    /// This rank requires a token and the peer sent none.
-    #[error("peer sent no auth token, this rank requires one")]
-    MissingAuthToken,
-    /// The peer sent a token and this rank has none configured.
-    #[error("peer sent an auth token, this rank has none configured")]
-    UnexpectedAuthToken,
+    /// The peer's proof is wrong: the two sides have different secrets.
+    #[error(
+        "peer rank {peer_rank}'s proof of the shared secret is wrong: the two sides have different secrets (COHORT_AUTH_TOKEN)"
+    )]
+    AuthMismatch {
+        /// The rank the peer claims.
+        peer_rank: Rank,
+    },
+    /// This rank requires authentication and the peer does not authenticate.
+    #[error("peer rank {peer_rank} does not authenticate, and this rank requires it (COHORT_AUTH_TOKEN is set here)")]
+    MissingAuth {
+        /// The rank the peer claims.
+        peer_rank: Rank,
+    },
+    /// The peer authenticates and this rank has no secret.
+    #[error("peer rank {peer_rank} authenticates, and this rank has no secret (COHORT_AUTH_TOKEN is not set here)")]
+    UnexpectedAuth {
+        /// The rank the peer claims.
+        peer_rank: Rank,
+    },
     /// The peer refused this side's handshake.
     #[error("the peer refused the handshake ({reason}): {message}")]
     Rejected {
@@ -579,13 +573,13 @@ impl HandshakeError {
             HandshakeError::ConnectionIndexOutOfRange { .. } | HandshakeError::ConnectionsPerPeerMismatch { .. } => {
                 RejectReason::ConnectionIndex
             }
-            HandshakeError::AuthTokenMismatch
-            | HandshakeError::MissingAuthToken
-            | HandshakeError::UnexpectedAuthToken => RejectReason::AuthToken,
+            HandshakeError::AuthMismatch { .. }
+            | HandshakeError::MissingAuth { .. }
+            | HandshakeError::UnexpectedAuth { .. } => RejectReason::Auth,
             HandshakeError::BadMagic { .. }
             | HandshakeError::UnknownFlags { .. }
             | HandshakeError::ReservedNotZero { .. }
-            | HandshakeError::StrayAuthToken => RejectReason::BadHandshake,
+            | HandshakeError::StrayAuthNonce => RejectReason::BadHandshake,
             HandshakeError::Rejected { .. }
             | HandshakeError::UnknownReplyCode { .. }
             | HandshakeError::ReplyReservedNotZero { .. }
@@ -601,7 +595,7 @@ impl HandshakeError {
 mod tests {
     use super::*;
 
-    const TOKEN: AuthToken = AuthToken([7; 32]);
+    const NONCE: AuthNonce = AuthNonce([7; 32]);
 
     fn expectation() -> HandshakeExpectation {
         HandshakeExpectation::new(GroupId(0), Rank(0), 4).with_connections_per_peer(2)
@@ -616,11 +610,11 @@ mod tests {
     }
 
     #[test]
-    fn handshake_round_trips_with_and_without_token() {
+    fn handshake_round_trips_with_and_without_a_challenge() {
         let plain = peer();
         assert_eq!(Handshake::decode(&plain.encode()), Ok(plain));
-        let with_token = Handshake { auth_token: Some(TOKEN), ..peer() };
-        assert_eq!(Handshake::decode(&with_token.encode()), Ok(with_token));
+        let with_nonce = Handshake { auth_nonce: Some(NONCE), ..peer() };
+        assert_eq!(Handshake::decode(&with_nonce.encode()), Ok(with_nonce));
     }
 
     #[test]
@@ -631,7 +625,7 @@ mod tests {
             world_size: 8,
             connection: 0x0102,
             connections_per_peer: 4,
-            auth_token: Some(AuthToken([0xee; 32])),
+            auth_nonce: Some(AuthNonce([0xee; 32])),
         };
         let b = h.encode();
         assert_eq!(&b[0..4], b"CoHS");
@@ -666,7 +660,7 @@ mod tests {
     }
 
     #[test]
-    fn decode_refuses_unknown_flags_reserved_bytes_and_stray_tokens() {
+    fn decode_refuses_unknown_flags_reserved_bytes_and_stray_challenges() {
         let mut b = peer().encode();
         b[20] = 0x03;
         assert_eq!(Handshake::decode(&b), Err(HandshakeError::UnknownFlags { flags: 0x03 }));
@@ -681,16 +675,16 @@ mod tests {
         let mut b = peer().encode();
         b[40] = 1;
         let err = Handshake::decode(&b).unwrap_err();
-        assert_eq!(err, HandshakeError::StrayAuthToken);
-        assert_eq!(err.to_string(), "handshake carries auth token bytes but its token flag is clear");
+        assert_eq!(err, HandshakeError::StrayAuthNonce);
+        assert_eq!(err.to_string(), "handshake carries auth challenge bytes but its auth flag is clear");
     }
 
     #[test]
     fn check_accepts_a_matching_peer() {
         assert_eq!(peer().check(&expectation()), Ok(()));
         assert_eq!(peer().check(&expectation().with_peer(Rank(2))), Ok(()));
-        let with_token = Handshake { auth_token: Some(TOKEN), ..peer() };
-        assert_eq!(with_token.check(&expectation().with_auth_token(TOKEN)), Ok(()));
+        let with_nonce = Handshake { auth_nonce: Some(NONCE), ..peer() };
+        assert_eq!(with_nonce.check(&expectation().with_auth()), Ok(()));
     }
 
     #[test]
@@ -734,20 +728,16 @@ mod tests {
     }
 
     #[test]
-    fn check_compares_auth_tokens() {
-        let with_token = Handshake { auth_token: Some(TOKEN), ..peer() };
-        let other = AuthToken([8; 32]);
-        assert_eq!(check(with_token, expectation().with_auth_token(other)), "auth token mismatch");
+    fn check_refuses_a_peer_that_authenticates_differently() {
+        let with_nonce = Handshake { auth_nonce: Some(NONCE), ..peer() };
         assert_eq!(
-            check(peer(), expectation().with_auth_token(TOKEN)),
-            "peer sent no auth token, this rank requires one"
+            check(peer(), expectation().with_auth()),
+            "peer rank 2 does not authenticate, and this rank requires it (COHORT_AUTH_TOKEN is set here)"
         );
-        assert_eq!(check(with_token, expectation()), "peer sent an auth token, this rank has none configured");
-    }
-
-    #[test]
-    fn auth_token_debug_hides_the_bytes() {
-        assert_eq!(format!("{TOKEN:?}"), "AuthToken(..)");
+        assert_eq!(
+            check(with_nonce, expectation()),
+            "peer rank 2 authenticates, and this rank has no secret (COHORT_AUTH_TOKEN is not set here)"
+        );
     }
 
     #[test]
@@ -829,10 +819,10 @@ mod tests {
 
     #[test]
     fn reply_prefix_tells_how_much_message_follows() {
-        let reply = HandshakeReply::Reject { reason: RejectReason::AuthToken, message: "auth token mismatch".into() };
+        let reply = HandshakeReply::Reject { reason: RejectReason::Auth, message: "wrong proof".into() };
         let bytes = reply.encode();
         let prefix = ReplyPrefix::decode(bytes.first_chunk().expect("a reply has a prefix")).unwrap();
-        assert_eq!(prefix.message_len(), "auth token mismatch".len());
+        assert_eq!(prefix.message_len(), "wrong proof".len());
         assert_eq!(prefix.finish(&bytes[REPLY_PREFIX_LEN..]), Ok(reply));
     }
 
@@ -855,7 +845,7 @@ mod tests {
                 HandshakeError::ConnectionsPerPeerMismatch { peer_rank: Rank(1), peer: 1, ours: 2 },
                 RejectReason::ConnectionIndex,
             ),
-            (HandshakeError::MissingAuthToken, RejectReason::AuthToken),
+            (HandshakeError::MissingAuth { peer_rank: Rank(1) }, RejectReason::Auth),
             (HandshakeError::ReplyLength { expected: 4, found: 0 }, RejectReason::Other),
         ];
         for (error, reason) in cases {

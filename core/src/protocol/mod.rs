@@ -45,10 +45,10 @@
 //! | 8 | 4 | group | group id the connection serves |
 //! | 12 | 4 | rank | the sender's rank |
 //! | 16 | 4 | world size | the sender's world size |
-//! | 20 | 1 | flags | bit 0: an auth-token digest is present; other bits 0 |
+//! | 20 | 1 | flags | bit 0: the sender authenticates (see [`auth`]); other bits 0 |
 //! | 21 | 1 | connections per peer (both sides must agree) | 1 and up |
 //! | 22 | 2 | reserved | 0 |
-//! | 24 | 32 | auth token | the auth-token digest, or 32 zero bytes when absent |
+//! | 24 | 32 | auth challenge | the sender's fresh [`AuthNonce`], or 32 zero bytes |
 //!
 //! The magic and version keep their offsets in every version, and the handshake stays 56 bytes,
 //! so a build always reads a peer's whole handshake and can name a version mismatch.
@@ -65,14 +65,19 @@
 //!
 //! The connection sequence, for each side: write own handshake; read the peer's (decode and
 //! check it); write the reply; read the peer's reply. The connection is up when both replies
-//! accept.
+//! accept. With a shared secret, each side also writes its [`PROOF_LEN`]-byte proof after
+//! reading the peer's handshake, and reads and checks the peer's before writing its reply (see
+//! [`auth`]): a side that authenticates writes a proof, a side whose peer's handshake has the
+//! auth flag reads one.
 
+pub mod auth;
 mod control;
 mod decoder;
 mod failure;
 mod frame;
 mod handshake;
 
+pub use auth::{AuthNonce, AuthSecret, NONCE_LEN, PROOF_LEN, Role, proof, verify};
 pub use control::{ControlError, ControlFrame, decode_control, encode_control};
 pub use decoder::{DEFAULT_STAGING, FrameDecoder, FreshBuffers, PayloadBuffers};
 pub use failure::{FailureRecord, ProgressRecord, RecordError};
@@ -81,7 +86,7 @@ pub use frame::{
     decode_message, truncate_message,
 };
 pub use handshake::{
-    AuthToken, HANDSHAKE_LEN, HANDSHAKE_MAGIC, Handshake, HandshakeError, HandshakeExpectation, HandshakeReply,
+    HANDSHAKE_LEN, HANDSHAKE_MAGIC, Handshake, HandshakeError, HandshakeExpectation, HandshakeReply,
     MAX_REPLY_MESSAGE_LEN, REPLY_PREFIX_LEN, RejectReason, ReplyPrefix,
 };
 

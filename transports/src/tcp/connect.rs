@@ -24,7 +24,7 @@ use std::sync::{Arc, Mutex, RwLock};
 use std::time::Duration;
 
 use cohort_core::group::{GroupConfig, GroupState};
-use cohort_core::protocol::{FailureRecord, HandshakeExpectation};
+use cohort_core::protocol::{FailureRecord, HandshakeError, HandshakeExpectation, RejectReason};
 use cohort_core::recorder::RecorderConfig;
 use cohort_core::work::{GroupId, Rank};
 use tokio::sync::Notify;
@@ -136,6 +136,7 @@ impl ProcessGroup {
             writers.push(Some(link::Lanes::with_bulk(lanes, bulk)));
         }
         let lazy = opts.lazy_connect.then_some(k);
+        let secret = opts.auth.clone();
         let inner = Arc::new_cyclic(|weak: &std::sync::Weak<Inner>| {
             let progress: crate::work::ProgressFn = Arc::new(super::Poller(weak.clone()));
             let polling = Mutex::new(super::Polling::new(opts.busy_poll));
@@ -183,7 +184,7 @@ impl ProcessGroup {
         ];
         if let Some(listener) = lazy_listener {
             let expect = HandshakeExpectation::new(gid, me, world_size).with_connections_per_peer(k);
-            tasks.push(tokio::spawn(super::lazy::serve_accepts(listener, weak, expect)));
+            tasks.push(tokio::spawn(super::lazy::serve_accepts(listener, weak, expect, secret)));
         }
         inner.tasks.lock().unwrap_or_else(|p| p.into_inner()).extend(tasks);
         inner.timer.notify_one();
@@ -314,6 +315,9 @@ async fn mesh<N: Net>(
     // number of connections per peer) fails the rendezvous.
     let accept = async {
         let mut got: BTreeMap<u32, BTreeMap<u16, N::Stream>> = BTreeMap::new();
+        // Connections refused for failing authentication, by the rank they claimed: a rank
+        // that never connects is then reported with the reason.
+        let mut refused: BTreeMap<u32, HandshakeError> = BTreeMap::new();
         let complete = |got: &BTreeMap<u32, BTreeMap<u16, N::Stream>>| {
             got.values().filter(|conns| conns.len() == usize::from(k)).count() as u32
         };
@@ -334,20 +338,30 @@ async fn mesh<N: Net>(
                             tracing::warn!(%remote, "refused a connection: {e}");
                             return Err(InitError::Handshake { peer: remote.to_string(), source: e });
                         }
+                        Err(HandshakeFailure::Refused(e)) if e.reject_reason() == RejectReason::Auth => {
+                            // Logged where it was refused. Not fatal: a party without the
+                            // secret must not be able to stop the job's init.
+                            if let HandshakeError::AuthMismatch { peer_rank }
+                            | HandshakeError::MissingAuth { peer_rank }
+                            | HandshakeError::UnexpectedAuth { peer_rank } = e
+                            {
+                                refused.insert(peer_rank.0, e);
+                            }
+                        }
                         Err(e) => tracing::warn!(%remote, "dropped a connection that is no rank of this group: {e}"),
                     }
                 }
                 accepted = tokio::time::timeout_at(deadline, listener.accept()) => match accepted {
                     Ok(Ok((stream, remote))) => {
                         let limit = HANDSHAKE_TIMEOUT.min(opts.init_timeout);
-                        pending.spawn(accepted_handshake(stream, remote, expect, limit));
+                        pending.spawn(accepted_handshake(stream, remote, expect, opts.auth.clone(), limit));
                     }
                     Ok(Err(e)) => tracing::warn!("accept failed: {e}"),
                     Err(_) => break,
                 },
             }
         }
-        Ok(got)
+        Ok((got, refused))
     };
     let dial = async {
         let mut got: BTreeMap<u32, BTreeMap<u16, N::Stream>> = BTreeMap::new();
@@ -374,13 +388,16 @@ async fn mesh<N: Net>(
         Ok(got)
     };
     let (accepted, dialed) = tokio::join!(accept, dial);
-    let (accepted, dialed) = (accepted?, dialed?);
+    let ((accepted, refused), dialed) = (accepted?, dialed?);
     let short: Vec<u32> =
         (me.0 + 1..world_size).filter(|p| accepted.get(p).map_or(0, BTreeMap::len) < usize::from(k)).collect();
     if !short.is_empty() {
         let err = missing(store, gid, world_size, opts.init_timeout).await;
         // Every rank published its address, yet some never connected: say who.
         if matches!(&err, InitError::Missing { missing, .. } if missing.is_empty()) {
+            if let Some((&rank, e)) = short.iter().find_map(|r| refused.get_key_value(r)) {
+                return Err(InitError::Handshake { peer: format!("rank {rank}"), source: e.clone() });
+            }
             return Err(InitError::Unreachable {
                 rank: short[0],
                 addr: "(it dials this rank)".into(),

@@ -11,7 +11,7 @@
 use std::collections::BTreeMap;
 use std::sync::{Arc, Weak};
 
-use cohort_core::protocol::HandshakeExpectation;
+use cohort_core::protocol::{AuthSecret, HandshakeExpectation, RejectReason};
 use cohort_core::work::Rank;
 
 use super::attach::attach;
@@ -77,7 +77,12 @@ async fn dial<N: Net>(net: N, inner: Arc<Inner>, peer: Rank, lanes: Vec<LaneRx>)
 
 /// Accept peers' connections for as long as the group lives. Each does its handshake in its
 /// own bounded task; a peer's connections are served once its whole set has arrived.
-pub(crate) async fn serve_accepts<L: Listener>(listener: L, weak: Weak<Inner>, expect: HandshakeExpectation) {
+pub(crate) async fn serve_accepts<L: Listener>(
+    listener: L,
+    weak: Weak<Inner>,
+    expect: HandshakeExpectation,
+    secret: Option<AuthSecret>,
+) {
     let k = usize::from(expect.connections_per_peer);
     let mut sets: BTreeMap<u32, BTreeMap<u16, L::Stream>> = BTreeMap::new();
     let mut pending: tokio::task::JoinSet<Accepted<L::Stream>> = tokio::task::JoinSet::new();
@@ -106,12 +111,13 @@ pub(crate) async fn serve_accepts<L: Listener>(listener: L, weak: Weak<Inner>, e
                     Err(HandshakeFailure::Refused(e)) if is_misconfigured_rank(&e) => {
                         tracing::error!(%remote, "refused a connection from a misconfigured rank: {e}");
                     }
+                    Err(HandshakeFailure::Refused(e)) if e.reject_reason() == RejectReason::Auth => {} // logged
                     Err(e) => tracing::warn!(%remote, "dropped a connection that is no rank of this group: {e}"),
                 }
             }
             accepted = listener.accept() => match accepted {
                 Ok((stream, remote)) => {
-                    pending.spawn(accepted_handshake(stream, remote, expect, HANDSHAKE_TIMEOUT));
+                    pending.spawn(accepted_handshake(stream, remote, expect, secret.clone(), HANDSHAKE_TIMEOUT));
                 }
                 Err(e) => {
                     tracing::warn!("accept failed: {e}");

@@ -81,6 +81,12 @@ pub struct TcpOptions {
     /// clock at init when `None` (the default). The simulator sets it so that dumps are the
     /// same bytes on every replay of a seed.
     pub wall_clock_anchor_ns: Option<u64>,
+    /// The job's shared secret: with one, every connection between ranks proves in both
+    /// directions that its other end knows it (challenge-response; the secret never crosses
+    /// the wire), and a peer that cannot is refused on both sides with an error naming it.
+    /// `COHORT_AUTH_TOKEN`, or the contents of the file `COHORT_AUTH_TOKEN_FILE` names; none
+    /// by default.
+    pub auth: Option<cohort_core::protocol::AuthSecret>,
 }
 
 impl Default for TcpOptions {
@@ -101,6 +107,7 @@ impl Default for TcpOptions {
             trace_buffer_size: 2000,
             dump_prefix: None,
             wall_clock_anchor_ns: None,
+            auth: None,
         }
     }
 }
@@ -188,6 +195,7 @@ impl TcpOptions {
             o.lazy_connect = b;
         }
         o.dump_prefix = v.path(env::DUMP_ON_FAILURE);
+        o.auth = v.auth_secret()?;
         o.bind_addr = resolve_bind_addr(v.string(env::SOCKET_IFNAME).as_deref())?;
         Ok(o)
     }

@@ -9,7 +9,8 @@ use std::net::SocketAddr;
 use std::time::Duration;
 
 use cohort_core::protocol::{
-    HANDSHAKE_LEN, Handshake, HandshakeError, HandshakeExpectation, HandshakeReply, REPLY_PREFIX_LEN, ReplyPrefix,
+    AuthNonce, AuthSecret, HANDSHAKE_LEN, Handshake, HandshakeError, HandshakeExpectation, HandshakeReply, NONCE_LEN,
+    PROOF_LEN, REPLY_PREFIX_LEN, ReplyPrefix, Role,
 };
 use cohort_core::work::{GroupId, Rank};
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
@@ -130,11 +131,13 @@ pub(crate) async fn dial_one<N: Net>(
         // a partition never answers, and must not hold init past its timeout.
         let attempt = async {
             match net.connect(&addr.ip().to_string(), addr.port()).await {
-                Ok(mut s) => match handshake_on(&mut s, expect, index).await {
-                    Ok(_) => Ok(s),
-                    Err(HandshakeFailure::Refused(e)) => Err(Err(e)),
-                    Err(e) => Err(Ok(e.to_string())),
-                },
+                Ok(mut s) => {
+                    match handshake_on(&mut s, expect, index, opts.auth.as_ref().map(|k| (k, Role::Dialer))).await {
+                        Ok(_) => Ok(s),
+                        Err(HandshakeFailure::Refused(e)) => Err(Err(e)),
+                        Err(e) => Err(Ok(e.to_string())),
+                    }
+                }
                 Err(e) => Err(Ok(e.to_string())),
             }
         };
@@ -162,20 +165,31 @@ pub(crate) async fn dial_one<N: Net>(
 pub(crate) type Accepted<S> = (SocketAddr, S, Result<(Rank, u16), HandshakeFailure>);
 
 /// The accepting side's handshake on a fresh connection, bounded by `limit`, so that a
-/// connection that never speaks holds up nobody.
+/// connection that never speaks holds up nobody. With a secret, the peer must prove it knows
+/// it; one that fails is refused, and logged as an error naming the rank it claims.
 pub(crate) async fn accepted_handshake<S: AsyncRead + AsyncWrite + Unpin>(
     mut stream: S,
     remote: SocketAddr,
     expect: HandshakeExpectation,
+    secret: Option<AuthSecret>,
     limit: Duration,
 ) -> Accepted<S> {
-    let result = match tokio::time::timeout(limit, handshake(&mut stream, &expect, None)).await {
+    let auth = secret.as_ref().map(|k| (k, Role::Acceptor));
+    let result = match tokio::time::timeout(limit, handshake_on(&mut stream, &expect, 0, auth)).await {
         Ok(r) => r,
         Err(_) => Err(HandshakeFailure::Io(std::io::Error::new(
             std::io::ErrorKind::TimedOut,
             format!("no handshake within {} ms", limit.as_millis()),
         ))),
     };
+    if let Err(HandshakeFailure::Refused(
+        e @ (HandshakeError::AuthMismatch { .. }
+        | HandshakeError::MissingAuth { .. }
+        | HandshakeError::UnexpectedAuth { .. }),
+    )) = &result
+    {
+        tracing::error!(%remote, "refused a connection that failed authentication: {e}");
+    }
     (remote, stream, result)
 }
 
@@ -214,29 +228,50 @@ impl std::fmt::Display for HandshakeFailure {
     }
 }
 
-/// The accepting side of a handshake: answers with connection index 0 (the dialer's index is
-/// the one that counts); returns the peer's rank and connection index.
-async fn handshake<S: AsyncRead + AsyncWrite + Unpin>(
-    stream: &mut S,
-    expect: &HandshakeExpectation,
-    _dialed: Option<Rank>,
-) -> Result<(Rank, u16), HandshakeFailure> {
-    handshake_on(stream, expect, 0).await
-}
-
-/// Exchange and check handshakes on a fresh connection, sending connection index `index`;
-/// returns the peer's rank and the index it sent.
+/// Exchange and check handshakes on a fresh connection, sending connection index `index` (the
+/// accepting side sends 0: the dialer's index is the one that counts); returns the peer's rank
+/// and the index it sent. With `auth` (the secret, and whether this side dialled or accepted),
+/// both sides prove they know the secret (see [`cohort_core::protocol::auth`]).
 async fn handshake_on<S: AsyncRead + AsyncWrite + Unpin>(
     stream: &mut S,
     expect: &HandshakeExpectation,
     index: u16,
+    auth: Option<(&AuthSecret, Role)>,
 ) -> Result<(Rank, u16), HandshakeFailure> {
     let io = HandshakeFailure::Io;
-    stream.write_all(&expect.handshake(index).encode()).await.map_err(io)?;
+    let expect = if auth.is_some() { expect.with_auth() } else { *expect };
+    let mut mine = expect.handshake(index);
+    if auth.is_some() {
+        mine.auth_nonce = Some(fresh_nonce().map_err(io)?);
+    }
+    let mine = mine.encode();
+    stream.write_all(&mine).await.map_err(io)?;
     stream.flush().await.map_err(io)?;
     let mut buf = [0u8; HANDSHAKE_LEN];
     stream.read_exact(&mut buf).await.map_err(io)?;
-    let verdict = Handshake::decode(&buf).and_then(|hs| hs.check(expect).map(|()| (hs.rank, hs.connection)));
+    let theirs = Handshake::decode(&buf);
+    let mut verdict =
+        theirs.as_ref().map_err(Clone::clone).and_then(|hs| hs.check(&expect).map(|()| (hs.rank, hs.connection)));
+    // The transcript both proofs cover: the dialler's handshake first.
+    let (first, second) = match auth {
+        Some((_, Role::Dialer)) => (&mine, &buf),
+        _ => (&buf, &mine),
+    };
+    if let Some((secret, role)) = auth {
+        stream.write_all(&cohort_core::protocol::proof(secret, role, first, second)).await.map_err(io)?;
+        stream.flush().await.map_err(io)?;
+    }
+    if let Ok(hs) = &theirs
+        && hs.auth_nonce.is_some()
+    {
+        let mut proof = [0u8; PROOF_LEN];
+        stream.read_exact(&mut proof).await.map_err(io)?;
+        if let (Some((secret, role)), Ok(_)) = (auth, &verdict)
+            && !cohort_core::protocol::verify(secret, role.peer(), first, second, &proof)
+        {
+            verdict = Err(HandshakeError::AuthMismatch { peer_rank: hs.rank });
+        }
+    }
     let reply = match &verdict {
         Ok(_) => HandshakeReply::Accept,
         Err(e) => HandshakeReply::reject(e),
@@ -252,4 +287,11 @@ async fn handshake_on<S: AsyncRead + AsyncWrite + Unpin>(
     let rank = verdict?;
     theirs.into_result()?;
     Ok(rank)
+}
+
+/// A fresh challenge from the operating system's generator.
+fn fresh_nonce() -> std::io::Result<AuthNonce> {
+    let mut nonce = [0u8; NONCE_LEN];
+    getrandom::fill(&mut nonce).map_err(std::io::Error::other)?;
+    Ok(AuthNonce(nonce))
 }
