@@ -398,8 +398,10 @@ impl HostedStore {
             .build()
             .map_err(|e| format!("cannot start the runtime: {e}"))?;
         let bind = std::net::SocketAddr::from(([0, 0, 0, 0], port));
+        // The ranks inherit the environment, so they prove the secret this store requires.
+        let secret = cohort_transports::env::Env::process().auth_secret().map_err(|e| e.to_string())?;
         let server = runtime
-            .block_on(TcpStoreServer::bind(TokioNet, TcpStoreServerConfig::new(bind)))
+            .block_on(TcpStoreServer::bind(TokioNet, TcpStoreServerConfig::new(bind).with_auth(secret)))
             .map_err(|e| e.to_string())?;
         let port = server.port();
         let (stop, stopped) = tokio::sync::oneshot::channel::<()>();

@@ -37,7 +37,8 @@ pub(crate) fn run(args: StoreArgs) -> Result<i32, String> {
         let mut interrupt = signal(SignalKind::interrupt()).map_err(|e| format!("cannot listen for SIGINT: {e}"))?;
         let mut terminate = signal(SignalKind::terminate()).map_err(|e| format!("cannot listen for SIGTERM: {e}"))?;
         let bind = SocketAddr::new(args.host, args.port);
-        let server = TcpStoreServer::bind(TokioNet, TcpStoreServerConfig::new(bind))
+        let secret = cohort_transports::env::Env::process().auth_secret().map_err(|e| e.to_string())?;
+        let server = TcpStoreServer::bind(TokioNet, TcpStoreServerConfig::new(bind).with_auth(secret))
             .await
             .map_err(|e| format!("--port {}: {e}", args.port))?;
         println!("cohort store: serving the TCPStore protocol on {} (Ctrl-C stops it)", server.local_addr());

@@ -56,6 +56,14 @@ pub trait Listener: Send + Sync + 'static {
     }
 }
 
+/// A fresh authentication challenge from the operating system's generator (see
+/// [`cohort_core::protocol::auth`]).
+pub(crate) fn fresh_nonce() -> io::Result<cohort_core::protocol::AuthNonce> {
+    let mut nonce = [0u8; cohort_core::protocol::NONCE_LEN];
+    getrandom::fill(&mut nonce).map_err(io::Error::other)?;
+    Ok(cohort_core::protocol::AuthNonce(nonce))
+}
+
 /// Real sockets through tokio. Every stream, accepted or connected, has `TCP_NODELAY` set: the
 /// store's requests are small and latency-bound, as PyTorch's TCPStore sets it too.
 #[derive(Debug, Clone, Copy, Default)]

@@ -98,6 +98,15 @@ pub enum StoreError {
         /// `host:port`.
         addr: String,
     },
+    /// Authentication with the server failed: the two have different secrets, or only one
+    /// has one. Not retried.
+    #[error("store at {addr}: {reason}")]
+    Auth {
+        /// `host:port`.
+        addr: String,
+        /// What went wrong.
+        reason: String,
+    },
     /// The client could not connect and validate before its connect timeout.
     #[error("could not connect to the store at {addr} within {timeout:?} ({attempts} attempts): {last_error}")]
     Connect {

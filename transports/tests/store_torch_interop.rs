@@ -249,3 +249,42 @@ async fn our_client_against_torch_libuv_server() {
 async fn our_client_against_torch_legacy_server() {
     our_client_against_torch_server("legacy").await;
 }
+
+/// PyTorch's client against a store that requires a secret: it cannot authenticate, so the
+/// store disconnects it (logging why) and it fails; nothing it sent is stored.
+const TORCH_CLIENT_REFUSED: &str = r#"
+import sys, datetime, warnings
+warnings.filterwarnings("ignore")
+from torch.distributed import TCPStore
+host, port = sys.argv[1], int(sys.argv[2])
+try:
+    s = TCPStore(host, port, is_master=False, timeout=datetime.timedelta(seconds=3))
+    s.set("k", "v")
+    s.get("k")
+    print("SERVED", flush=True)
+except Exception as e:
+    print("REFUSED", type(e).__name__, flush=True)
+"#;
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn torch_client_is_refused_by_a_store_with_a_secret() {
+    let Some(python) = torch_python() else { return };
+    let secret = cohort_core::protocol::AuthSecret::new(b"s3cret".as_slice());
+    let config = TcpStoreServerConfig::new("127.0.0.1:0".parse().unwrap()).with_auth(secret);
+    let server = TcpStoreServer::bind(TokioNet, config).await.unwrap();
+    let port = server.port().to_string();
+    let output = tokio::task::spawn_blocking(move || {
+        Command::new(&python).args(["-c", TORCH_CLIENT_REFUSED, "127.0.0.1", &port]).output()
+    })
+    .await
+    .unwrap()
+    .unwrap();
+    let stdout = String::from_utf8_lossy(&output.stdout);
+    assert!(
+        stdout.contains("REFUSED"),
+        "torch's client must fail:\n{stdout}\n{}",
+        String::from_utf8_lossy(&output.stderr)
+    );
+    assert_eq!(server.num_keys(), 0);
+    server.shutdown().await;
+}

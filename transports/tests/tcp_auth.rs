@@ -84,3 +84,70 @@ async fn a_lazy_rank_with_another_secret_fails_its_first_collective_naming_the_p
         pg.shutdown_async().await;
     }
 }
+
+mod store {
+    use std::time::Duration;
+
+    use cohort_core::protocol::AuthSecret;
+    use cohort_transports::store::{Store, StoreError, TcpStore, TcpStoreConfig, TcpStoreServer};
+    use cohort_transports::{TcpStoreServerConfig, TokioNet};
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+
+    fn secret(s: &str) -> Option<AuthSecret> {
+        AuthSecret::new(s.as_bytes())
+    }
+
+    async fn server(auth: Option<AuthSecret>) -> TcpStoreServer {
+        let config = TcpStoreServerConfig::new("127.0.0.1:0".parse().unwrap()).with_auth(auth);
+        TcpStoreServer::bind(TokioNet, config).await.unwrap()
+    }
+
+    async fn client(port: u16, auth: Option<AuthSecret>) -> Result<TcpStore, StoreError> {
+        let config = TcpStoreConfig::new("127.0.0.1", port)
+            .with_connect_timeout(Duration::from_secs(20))
+            .with_timeout(Duration::from_secs(5))
+            .with_auth(auth);
+        TcpStore::connect(config).await
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_client_with_the_secret_is_served_and_others_are_refused_at_once() {
+        let server = server(secret("s3cret")).await;
+        let good = client(server.port(), secret("s3cret")).await.expect("the same secret connects");
+        good.set("k", b"v").await.unwrap();
+        assert_eq!(good.get("k").await.unwrap(), b"v");
+        // Refusals fail at once, not after the 20 s connect timeout: retrying cannot help.
+        let started = std::time::Instant::now();
+        let e = client(server.port(), secret("guess")).await.map(|_| ()).unwrap_err().to_string();
+        assert!(e.contains("the store's proof of the shared secret is wrong"), "{e}");
+        let e = client(server.port(), None).await.map(|_| ()).unwrap_err().to_string();
+        assert!(e.contains("it requires authentication (set COHORT_AUTH_TOKEN"), "{e}");
+        assert!(started.elapsed() < Duration::from_secs(5), "took {:?}", started.elapsed());
+        let plain = self::server(None).await;
+        let e = client(plain.port(), secret("s3cret")).await.map(|_| ()).unwrap_err().to_string();
+        assert!(e.contains("it has no secret"), "{e}");
+        assert_eq!(server.num_keys(), 1);
+        server.shutdown().await;
+        plain.shutdown().await;
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_client_that_speaks_only_pytorchs_protocol_is_disconnected_and_stores_nothing() {
+        let server = server(secret("s3cret")).await;
+        let mut raw = tokio::net::TcpStream::connect(("127.0.0.1", server.port())).await.unwrap();
+        // VALIDATE, then SET "/k" "v", as PyTorch's client writes them.
+        let mut bytes = vec![0u8];
+        bytes.extend_from_slice(&0x3C85_F7CEu32.to_le_bytes());
+        bytes.push(1);
+        for part in [b"/k".as_slice(), b"v"] {
+            bytes.extend_from_slice(&(part.len() as u64).to_le_bytes());
+            bytes.extend_from_slice(part);
+        }
+        raw.write_all(&bytes).await.unwrap();
+        let mut buf = [0u8; 16];
+        let n = tokio::time::timeout(Duration::from_secs(5), raw.read(&mut buf)).await.expect("closed in time");
+        assert!(matches!(n, Ok(0) | Err(_)), "the server closes the connection: {n:?}");
+        assert_eq!(server.num_keys(), 0);
+        server.shutdown().await;
+    }
+}

@@ -4,6 +4,7 @@ use std::collections::{BTreeMap, VecDeque};
 use std::fmt;
 
 use super::wire::{CheckResponse, QueryType, Reply, Request, VALIDATION_MAGIC, WaitResponse};
+use crate::protocol::{AuthNonce, AuthSecret, NONCE_LEN, Role, proof, verify};
 
 /// One connected client of the server, named by the driver (any value unique among the
 /// connections alive at once).
@@ -66,6 +67,23 @@ pub enum CloseReason {
     /// The connection's first request was not VALIDATE.
     #[error("first request was {0}, expected VALIDATE")]
     NotValidated(QueryType),
+    /// The store has a secret and the client did not authenticate.
+    #[error(
+        "the store requires authentication (COHORT_AUTH_TOKEN is set on it) and the client sent {0} instead: a PyTorch TCPStore client, or a cohort client without the secret, cannot use this store"
+    )]
+    NotAuthenticated(QueryType),
+    /// The client's proof is wrong: it has another secret.
+    #[error("the client's proof of the shared secret is wrong: it has another secret (COHORT_AUTH_TOKEN)")]
+    AuthFailed,
+    /// The client authenticates, and the store has no secret.
+    #[error("the client authenticates, and this store has no secret (COHORT_AUTH_TOKEN is not set on it)")]
+    AuthUnexpected,
+    /// The client authenticated a second time.
+    #[error("the client authenticated a second time")]
+    AuthRepeated,
+    /// A challenge of the wrong length.
+    #[error("COHORT_AUTH carried {0} bytes, expected a {NONCE_LEN}-byte nonce")]
+    BadAuthNonce(usize),
 }
 
 /// What the server must do after [`StoreState::handle_request`]: send a reply or close a
@@ -122,14 +140,22 @@ pub struct StoreState {
     clients: BTreeMap<ClientId, Phase>,
     woken: VecDeque<ClientId>,
     outputs: VecDeque<ServerOutput>,
+    /// The secret clients must prove they know, if the store has one.
+    auth: Option<AuthSecret>,
+    /// Each client's server nonce, given at connect (see [`StoreState::handle_connect_with`]).
+    nonces: BTreeMap<ClientId, AuthNonce>,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum Phase {
     /// Connected; VALIDATE not yet received.
     Connected,
-    /// Validated; serving requests.
+    /// Validated; with a secret, COHORT_AUTH not yet received.
     Validated,
+    /// Challenged with this client nonce; COHORT_AUTH_PROOF not yet received.
+    Challenged([u8; NONCE_LEN]),
+    /// Serving requests.
+    Serving,
     /// Told to close; requests are ignored until the disconnect.
     Closing,
 }
@@ -140,11 +166,26 @@ impl StoreState {
         Self::default()
     }
 
+    /// An empty store whose clients must prove they know `secret` right after VALIDATE
+    /// (COHORT_AUTH, then COHORT_AUTH_PROOF; see [`crate::protocol::auth`]); any other request
+    /// first closes the connection. Connect clients with
+    /// [`handle_connect_with`](Self::handle_connect_with).
+    pub fn with_auth(secret: AuthSecret) -> Self {
+        StoreState { auth: Some(secret), ..Self::default() }
+    }
+
     // -- Server inputs ---------------------------------------------------------------------
 
     /// A client connected. Its first request must be VALIDATE. Queues nothing.
     pub fn handle_connect(&mut self, client: ClientId) {
         self.clients.insert(client, Phase::Connected);
+    }
+
+    /// A client connected, with the fresh random nonce the store challenges it with if it has
+    /// a secret (the driver draws it: this state draws no randomness). Queues nothing.
+    pub fn handle_connect_with(&mut self, client: ClientId, nonce: AuthNonce) {
+        self.handle_connect(client);
+        self.nonces.insert(client, nonce);
     }
 
     /// One decoded request from `client` (a client never announced through
@@ -164,10 +205,20 @@ impl StoreState {
                 self.close(client, CloseReason::BadMagic(magic));
             }
             (Phase::Connected, Request::Validate { .. }) => {
-                self.clients.insert(client, Phase::Validated);
+                let next = if self.auth.is_some() { Phase::Validated } else { Phase::Serving };
+                self.clients.insert(client, next);
             }
             (Phase::Connected, other) => self.close(client, CloseReason::NotValidated(other.query_type())),
-            (Phase::Validated, request) => self.serve(client, request),
+            (Phase::Validated, Request::Auth { nonce }) => self.challenge(client, &nonce),
+            (Phase::Challenged(theirs), Request::AuthProof { proof }) => self.check_proof(client, theirs, &proof),
+            (Phase::Validated | Phase::Challenged(_), other) => {
+                self.close(client, CloseReason::NotAuthenticated(other.query_type()));
+            }
+            (Phase::Serving, Request::Auth { .. } | Request::AuthProof { .. }) => {
+                let reason = if self.auth.is_none() { CloseReason::AuthUnexpected } else { CloseReason::AuthRepeated };
+                self.close(client, reason);
+            }
+            (Phase::Serving, request) => self.serve(client, request),
         }
         while let Some(woken) = self.woken.pop_front() {
             self.reply(woken, Reply::Wait(WaitResponse::StopWaiting));
@@ -177,6 +228,7 @@ impl StoreState {
     /// `client`'s connection ended: drops its waits. Queues nothing.
     pub fn handle_disconnect(&mut self, client: ClientId) {
         self.clients.remove(&client);
+        self.nonces.remove(&client);
         self.handle_cancel_wait(client);
     }
 
@@ -384,10 +436,34 @@ impl StoreState {
         current.checked_add(delta).ok_or_else(|| StateError::AddOverflow { key: lossy(key), delta })
     }
 
+    /// COHORT_AUTH: answer the client's challenge with this store's nonce and proof.
+    fn challenge(&mut self, client: ClientId, theirs: &[u8]) {
+        let (Some(secret), Ok(theirs)) = (&self.auth, <[u8; NONCE_LEN]>::try_from(theirs)) else {
+            return self.close(client, CloseReason::BadAuthNonce(theirs.len()));
+        };
+        let mine = self.nonces.get(&client).map_or([0; NONCE_LEN], |n| n.0);
+        let mut reply = mine.to_vec();
+        reply.extend_from_slice(&proof(secret, Role::StoreServer, &theirs, &mine));
+        self.clients.insert(client, Phase::Challenged(theirs));
+        self.reply(client, Reply::Bytes(reply));
+    }
+
+    /// COHORT_AUTH_PROOF: serve the client if its proof is right, else close.
+    fn check_proof(&mut self, client: ClientId, theirs: [u8; NONCE_LEN], sent: &[u8]) {
+        let mine = self.nonces.get(&client).map_or([0; NONCE_LEN], |n| n.0);
+        match &self.auth {
+            Some(secret) if verify(secret, Role::StoreClient, &theirs, &mine, sent) => {
+                self.clients.insert(client, Phase::Serving);
+                self.reply(client, Reply::Int(1));
+            }
+            _ => self.close(client, CloseReason::AuthFailed),
+        }
+    }
+
     fn serve(&mut self, client: ClientId, request: Request) {
         let query = request.query_type();
         match request {
-            Request::Validate { .. } => {}
+            Request::Validate { .. } | Request::Auth { .. } | Request::AuthProof { .. } => {}
             Request::Set { key, value } => self.set(key, value),
             Request::CompareSet { key, expected, desired } => {
                 let now = self.compare_set(key, &expected, desired);
@@ -572,6 +648,70 @@ mod tests {
         state.handle_request(A, Request::Set { key: k("x"), value: k("1") });
         assert_eq!(state.num_keys(), 0);
         assert_eq!(state.poll_output(), None);
+    }
+
+    fn secret(s: &str) -> AuthSecret {
+        AuthSecret::new(s.as_bytes()).unwrap()
+    }
+
+    /// Connect `client` to a store with a secret, validate, send a challenge: the server's
+    /// nonce and proof.
+    fn challenged(state: &mut StoreState, client: ClientId, client_nonce: [u8; NONCE_LEN]) -> Vec<u8> {
+        state.handle_connect_with(client, AuthNonce([9; NONCE_LEN]));
+        state.handle_request(client, Request::Validate { magic: VALIDATION_MAGIC });
+        state.handle_request(client, Request::Auth { nonce: client_nonce.to_vec() });
+        match outputs(state).as_slice() {
+            [ServerOutput::Reply { reply: Reply::Bytes(b), .. }] => b.clone(),
+            other => panic!("expected the server's challenge, got {other:?}"),
+        }
+    }
+
+    #[test]
+    fn a_client_that_proves_the_secret_is_served_and_one_that_does_not_is_closed() {
+        let mut state = StoreState::with_auth(secret("s3cret"));
+        let challenge = challenged(&mut state, A, [1; NONCE_LEN]);
+        let (server_nonce, server_proof) = challenge.split_at(NONCE_LEN);
+        assert_eq!(server_nonce, [9; NONCE_LEN]);
+        // The client checks the server's proof, then proves its own.
+        assert!(verify(&secret("s3cret"), Role::StoreServer, &[1; NONCE_LEN], server_nonce, server_proof));
+        let mine = proof(&secret("s3cret"), Role::StoreClient, &[1; NONCE_LEN], server_nonce);
+        state.handle_request(A, Request::AuthProof { proof: mine.to_vec() });
+        assert_eq!(outputs(&mut state), [reply(A, Reply::Int(1))]);
+        state.handle_request(A, Request::Set { key: k("x"), value: k("1") });
+        assert_eq!(state.get(b"x"), Some(b"1".as_slice()));
+
+        // Another secret: its proof is refused, and nothing it sends is served.
+        let _ = challenged(&mut state, B, [2; NONCE_LEN]);
+        let wrong = proof(&secret("guess"), Role::StoreClient, &[2; NONCE_LEN], &[9; NONCE_LEN]);
+        state.handle_request(B, Request::AuthProof { proof: wrong.to_vec() });
+        assert_eq!(outputs(&mut state), [ServerOutput::Close { client: B, reason: CloseReason::AuthFailed }]);
+        // The server's own proof reflected back is not a client's.
+        let _ = challenged(&mut state, C, [3; NONCE_LEN]);
+        let reflected = proof(&secret("s3cret"), Role::StoreServer, &[3; NONCE_LEN], &[9; NONCE_LEN]);
+        state.handle_request(C, Request::AuthProof { proof: reflected.to_vec() });
+        assert_eq!(outputs(&mut state), [ServerOutput::Close { client: C, reason: CloseReason::AuthFailed }]);
+    }
+
+    #[test]
+    fn a_client_that_skips_authentication_is_closed_with_a_reason_a_torch_user_understands() {
+        let mut state = StoreState::with_auth(secret("s3cret"));
+        state.handle_connect_with(A, AuthNonce([9; NONCE_LEN]));
+        state.handle_request(A, Request::Validate { magic: VALIDATION_MAGIC });
+        state.handle_request(A, Request::Set { key: k("x"), value: k("1") });
+        let reason = CloseReason::NotAuthenticated(QueryType::Set);
+        assert_eq!(outputs(&mut state), [ServerOutput::Close { client: A, reason: reason.clone() }]);
+        assert!(reason.to_string().contains("a PyTorch TCPStore client"), "{reason}");
+        assert_eq!(state.num_keys(), 0);
+        // A client that authenticates to a store without a secret is told so.
+        let mut plain = validated(&[B]);
+        plain.handle_request(B, Request::Auth { nonce: vec![1; NONCE_LEN] });
+        assert_eq!(outputs(&mut plain), [ServerOutput::Close { client: B, reason: CloseReason::AuthUnexpected }]);
+        // A challenge of the wrong length.
+        let mut state = StoreState::with_auth(secret("s3cret"));
+        state.handle_connect_with(C, AuthNonce([9; NONCE_LEN]));
+        state.handle_request(C, Request::Validate { magic: VALIDATION_MAGIC });
+        state.handle_request(C, Request::Auth { nonce: vec![1; 3] });
+        assert_eq!(outputs(&mut state), [ServerOutput::Close { client: C, reason: CloseReason::BadAuthNonce(3) }]);
     }
 
     #[test]

@@ -73,6 +73,11 @@ pub enum QueryType {
     ListKeys = 17,
     /// `BARRIER` (18).
     Barrier = 18,
+    /// `COHORT_AUTH` (0xC0), cohort's own: a client's challenge, when the store has a secret
+    /// (see [`Request::Auth`]). PyTorch's clients never send it.
+    CohortAuth = 0xC0,
+    /// `COHORT_AUTH_PROOF` (0xC1), cohort's own: a client's proof ([`Request::AuthProof`]).
+    CohortAuthProof = 0xC1,
 }
 
 impl QueryType {
@@ -99,6 +104,8 @@ impl QueryType {
             16 => QueueLen,
             17 => ListKeys,
             18 => Barrier,
+            0xC0 => CohortAuth,
+            0xC1 => CohortAuthProof,
             _ => return None,
         })
     }
@@ -126,6 +133,8 @@ impl QueryType {
             QueueLen => "QUEUE_LEN",
             ListKeys => "LIST_KEYS",
             Barrier => "BARRIER",
+            CohortAuth => "COHORT_AUTH",
+            CohortAuthProof => "COHORT_AUTH_PROOF",
         }
     }
 }
@@ -262,6 +271,20 @@ pub enum Request {
         /// How many arrivals complete it.
         world_size: i64,
     },
+    /// COHORT_AUTH nonce: the client's challenge to a store that has a secret, right after
+    /// VALIDATE. Reply: bytes, the server's nonce then its proof (see
+    /// [`crate::protocol::auth`]: [`Role::StoreServer`](crate::protocol::Role::StoreServer)
+    /// over the client's nonce, then the server's).
+    Auth {
+        /// The client's fresh nonce ([`NONCE_LEN`](crate::protocol::NONCE_LEN) bytes).
+        nonce: Vec<u8>,
+    },
+    /// COHORT_AUTH_PROOF proof: the client's proof over both nonces. Reply: i64 1; a wrong one
+    /// closes the connection.
+    AuthProof {
+        /// The proof ([`PROOF_LEN`](crate::protocol::PROOF_LEN) bytes).
+        proof: Vec<u8>,
+    },
 }
 
 impl Request {
@@ -287,6 +310,8 @@ impl Request {
             Request::QueueLen { .. } => QueryType::QueueLen,
             Request::ListKeys => QueryType::ListKeys,
             Request::Barrier { .. } => QueryType::Barrier,
+            Request::Auth { .. } => QueryType::CohortAuth,
+            Request::AuthProof { .. } => QueryType::CohortAuthProof,
         }
     }
 
@@ -300,10 +325,12 @@ impl Request {
             | Request::Append { .. }
             | Request::MultiSet { .. }
             | Request::QueuePush { .. } => None,
-            Request::CompareSet { .. } | Request::Get { .. } => Some(ReplyKind::Bytes),
-            Request::Add { .. } | Request::GetNumKeys | Request::DeleteKey { .. } | Request::QueueLen { .. } => {
-                Some(ReplyKind::Int)
-            }
+            Request::CompareSet { .. } | Request::Get { .. } | Request::Auth { .. } => Some(ReplyKind::Bytes),
+            Request::Add { .. }
+            | Request::GetNumKeys
+            | Request::DeleteKey { .. }
+            | Request::QueueLen { .. }
+            | Request::AuthProof { .. } => Some(ReplyKind::Int),
             Request::Check { .. } => Some(ReplyKind::Check),
             Request::Wait { .. } | Request::CancelWait | Request::Barrier { .. } => Some(ReplyKind::Wait),
             Request::MultiGet { keys } => Some(ReplyKind::MultiBytes(keys.len())),
@@ -354,6 +381,7 @@ impl Request {
                 put_bytes(out, key);
                 out.extend_from_slice(&world_size.to_le_bytes());
             }
+            Request::Auth { nonce: bytes } | Request::AuthProof { proof: bytes } => put_bytes(out, bytes),
         }
     }
 
@@ -795,6 +823,8 @@ fn parse_request(c: &mut Cursor<'_>) -> Parsed<Request> {
         QueryType::QueueLen => Request::QueueLen { key: c.key()? },
         QueryType::ListKeys => Request::ListKeys,
         QueryType::Barrier => Request::Barrier { key: c.key()?, world_size: c.i64()? },
+        QueryType::CohortAuth => Request::Auth { nonce: c.key()? },
+        QueryType::CohortAuthProof => Request::AuthProof { proof: c.key()? },
     })
 }
 

@@ -3,6 +3,7 @@
 use std::fmt;
 use std::time::Duration;
 
+use cohort_core::protocol::{AuthSecret, NONCE_LEN, PROOF_LEN, Role, proof, verify};
 use cohort_core::store::{DecodeLimits, Reply, ReplyDecoder, ReplyKind, Request, VALIDATION_MAGIC, WaitResponse};
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
 use tokio::sync::{Mutex, MutexGuard};
@@ -35,6 +36,10 @@ pub struct TcpStoreConfig {
     pub key_prefix: String,
     /// Bounds on what the server's replies may announce.
     pub limits: DecodeLimits,
+    /// The secret to prove to a server that requires one (see
+    /// [`TcpStoreServerConfig::auth`](crate::store::TcpStoreServerConfig::auth)); the server
+    /// proves it too. None by default.
+    pub auth: Option<AuthSecret>,
 }
 
 impl TcpStoreConfig {
@@ -49,7 +54,14 @@ impl TcpStoreConfig {
             max_backoff: Duration::from_secs(1),
             key_prefix: "/".to_owned(),
             limits: DecodeLimits::default(),
+            auth: None,
         }
+    }
+
+    /// Sets [`auth`](Self::auth).
+    pub fn with_auth(mut self, secret: Option<AuthSecret>) -> Self {
+        self.auth = secret;
+        self
     }
 
     /// Sets [`timeout`](Self::timeout).
@@ -112,7 +124,7 @@ impl<N: Net> TcpStore<N> {
                     .await
                     .map_err(|source| StoreError::Io { op: "connect", source })?;
                 let mut conn = Conn::new(stream, config.limits);
-                conn.handshake(&addr).await?;
+                conn.handshake(&addr, config.auth.as_ref()).await?;
                 Ok::<_, StoreError>(conn)
             };
             let result = match deadline {
@@ -126,6 +138,8 @@ impl<N: Net> TcpStore<N> {
                     tracing::debug!(%addr, attempts, "connected to the store");
                     return Ok(TcpStore { config, addr, conn: Mutex::new(conn) });
                 }
+                // Another secret does not come right by retrying.
+                Err(error @ StoreError::Auth { .. }) => return Err(error),
                 Err(error) => error,
             };
             let now = tokio::time::Instant::now();
@@ -417,16 +431,53 @@ impl<S: AsyncRead + AsyncWrite + Unpin> Conn<S> {
         Conn { stream, decoder: ReplyDecoder::new(limits), read_buf: vec![0; 64 << 10].into(), broken: None }
     }
 
-    /// VALIDATE then PING, as PyTorch's client opens every connection; the nonce is the
-    /// process id, as PyTorch's.
-    async fn handshake(&mut self, addr: &str) -> Result<(), StoreError> {
+    /// VALIDATE then PING, as PyTorch's client opens every connection (the nonce is the
+    /// process id, as PyTorch's); with a secret, the authentication in between (see
+    /// [`cohort_core::protocol::auth`]): this client's challenge, the server's nonce and proof,
+    /// checked, then this client's proof.
+    async fn handshake(&mut self, addr: &str, auth: Option<&AuthSecret>) -> Result<(), StoreError> {
+        let refused = |reason: &str| StoreError::Auth { addr: addr.to_owned(), reason: reason.to_owned() };
+        let validate = Request::Validate { magic: VALIDATION_MAGIC }.to_bytes();
+        self.stream.write_all(&validate).await.map_err(|source| StoreError::Io { op: "validate", source })?;
+        if let Some(secret) = auth {
+            let mine = crate::net::fresh_nonce().map_err(|source| StoreError::Io { op: "authenticate", source })?;
+            self.send("authenticate", &Request::Auth { nonce: mine.0.to_vec() }).await?;
+            let challenge = match self.recv("authenticate", ReplyKind::Bytes, addr).await {
+                Ok(Reply::Bytes(b)) if b.len() == NONCE_LEN + PROOF_LEN => b,
+                Ok(other) => return Err(unexpected("authenticate", "a nonce and a proof", Some(other))),
+                Err(StoreError::Closed { .. }) => {
+                    return Err(refused(
+                        "the store closed the connection when this client authenticated: it has no secret (COHORT_AUTH_TOKEN)",
+                    ));
+                }
+                Err(e) => return Err(e),
+            };
+            let (theirs, their_proof) = challenge.split_at(NONCE_LEN);
+            if !verify(secret, Role::StoreServer, &mine.0, theirs, their_proof) {
+                return Err(refused(
+                    "the store's proof of the shared secret is wrong: it has another secret (COHORT_AUTH_TOKEN)",
+                ));
+            }
+            let mine = proof(secret, Role::StoreClient, &mine.0, theirs);
+            self.send("authenticate", &Request::AuthProof { proof: mine.to_vec() }).await?;
+            match self.recv("authenticate", ReplyKind::Int, addr).await {
+                Ok(Reply::Int(1)) => {}
+                Ok(other) => return Err(unexpected("authenticate", "1", Some(other))),
+                Err(StoreError::Closed { .. }) => return Err(refused("the store refused this client's proof")),
+                Err(e) => return Err(e),
+            }
+        }
         let nonce = std::process::id();
-        let mut bytes = Request::Validate { magic: VALIDATION_MAGIC }.to_bytes();
-        Request::Ping { nonce }.encode(&mut bytes);
-        self.stream.write_all(&bytes).await.map_err(|source| StoreError::Io { op: "validate", source })?;
-        match self.recv("ping", ReplyKind::Nonce, addr).await? {
-            Reply::Nonce(echoed) if echoed == nonce => Ok(()),
-            other => Err(unexpected("ping", "the nonce sent", Some(other))),
+        self.send("ping", &Request::Ping { nonce }).await?;
+        match self.recv("ping", ReplyKind::Nonce, addr).await {
+            Ok(Reply::Nonce(echoed)) if echoed == nonce => Ok(()),
+            Ok(other) => Err(unexpected("ping", "the nonce sent", Some(other))),
+            // A store that closes at once on a fresh connection's first command refused it:
+            // one that requires authentication does so.
+            Err(StoreError::Closed { .. }) if auth.is_none() => Err(refused(
+                "the store closed the connection right after VALIDATE: it requires authentication (set COHORT_AUTH_TOKEN to its secret)",
+            )),
+            Err(e) => Err(e),
         }
     }
 

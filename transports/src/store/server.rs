@@ -6,6 +6,7 @@ use std::net::SocketAddr;
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 use std::time::Duration;
 
+use cohort_core::protocol::AuthSecret;
 use cohort_core::store::{ClientId, CloseReason, DecodeError, DecodeLimits, RequestDecoder, ServerOutput, StoreState};
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
 use tokio::sync::{mpsc, watch};
@@ -22,12 +23,22 @@ pub struct TcpStoreServerConfig {
     /// Bounds on what a client's requests may announce; a request over them disconnects the
     /// client.
     pub limits: DecodeLimits,
+    /// A secret every client must prove it knows right after VALIDATE (cohort's clients with
+    /// the same secret do; a PyTorch TCPStore client cannot, and is disconnected with a log line
+    /// that says so). None by default.
+    pub auth: Option<AuthSecret>,
 }
 
 impl TcpStoreServerConfig {
-    /// Default limits, bound to `bind_addr`.
+    /// Default limits, bound to `bind_addr`, no secret.
     pub fn new(bind_addr: SocketAddr) -> Self {
-        TcpStoreServerConfig { bind_addr, limits: DecodeLimits::default() }
+        TcpStoreServerConfig { bind_addr, limits: DecodeLimits::default(), auth: None }
+    }
+
+    /// The same, requiring clients to prove they know `secret` (none: no requirement).
+    pub fn with_auth(mut self, secret: Option<AuthSecret>) -> Self {
+        self.auth = secret;
+        self
     }
 }
 
@@ -84,8 +95,10 @@ impl TcpStoreServer {
             .map_err(|source| StoreServerError::Bind { addr: config.bind_addr, source })?;
         let local_addr = listener.local_addr().map_err(StoreServerError::LocalAddr)?;
         let (shutdown, stop) = watch::channel(false);
-        let shared = Arc::new(Mutex::new(Shared::default()));
-        let task = tokio::spawn(accept_loop(listener, shared.clone(), stop, config.limits));
+        let state = config.auth.clone().map_or_else(StoreState::new, StoreState::with_auth);
+        let shared = Arc::new(Mutex::new(Shared { state, ..Shared::default() }));
+        let authenticating = config.auth.is_some();
+        let task = tokio::spawn(accept_loop(listener, shared.clone(), stop, config.limits, authenticating));
         tracing::info!(%local_addr, "store server listening");
         Ok(TcpStoreServer { local_addr, shutdown, task: Some(task), shared })
     }
@@ -170,6 +183,7 @@ async fn accept_loop<L: Listener>(
     shared: Arc<Mutex<Shared>>,
     mut stop: watch::Receiver<bool>,
     limits: DecodeLimits,
+    authenticating: bool,
 ) {
     let mut tasks = JoinSet::new();
     loop {
@@ -184,7 +198,14 @@ async fn accept_loop<L: Listener>(
                         let mut shared = lock(&shared);
                         let client = ClientId(shared.next_id);
                         shared.next_id += 1;
-                        shared.state.handle_connect(client);
+                        match authenticating.then(crate::net::fresh_nonce) {
+                            Some(Ok(nonce)) => shared.state.handle_connect_with(client, nonce),
+                            Some(Err(e)) => {
+                                tracing::error!(%peer, "refusing a store client: no random challenge for it: {e}");
+                                continue;
+                            }
+                            None => shared.state.handle_connect(client),
+                        }
                         shared.clients.insert(client, tx);
                         client
                     };

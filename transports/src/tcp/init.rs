@@ -25,6 +25,9 @@ pub struct InitConfig {
     /// Whether rank 0 hosts the store in-process (the default). `COHORT_STORE_HOSTED=1` (or
     /// torchrun's `TORCHELASTIC_USE_AGENT_STORE=True`) says a launcher hosts it already.
     pub host_store: bool,
+    /// The job's secret (`COHORT_AUTH_TOKEN` or `COHORT_AUTH_TOKEN_FILE`): the store rank 0
+    /// hosts requires it, and this rank's store client proves it.
+    pub auth: Option<cohort_core::protocol::AuthSecret>,
 }
 
 impl InitConfig {
@@ -52,6 +55,7 @@ impl InitConfig {
                 world_size: v.rank(env::WORLD_SIZE)?,
                 local_rank: v.u32(env::LOCAL_RANK)?.unwrap_or(0),
                 host_store: !v.flag(env::STORE_HOSTED)?.unwrap_or(false),
+                auth: v.auth_secret()?,
             })
         };
         let cfg = read()?;
@@ -99,7 +103,7 @@ pub async fn rendezvous_store(
 ) -> Result<(Arc<dyn Store>, Option<TcpStoreServer>), InitError> {
     let server = if cfg.rank == 0 && cfg.host_store {
         let bind = SocketAddr::new(IpAddr::V4(Ipv4Addr::UNSPECIFIED), cfg.master_port);
-        let server = TcpStoreServer::bind(TokioNet, TcpStoreServerConfig::new(bind))
+        let server = TcpStoreServer::bind(TokioNet, TcpStoreServerConfig::new(bind).with_auth(cfg.auth.clone()))
             .await
             .map_err(|source| InitError::HostStore { port: cfg.master_port, source })?;
         Some(server)
@@ -109,7 +113,8 @@ pub async fn rendezvous_store(
     let client = TcpStore::connect(
         TcpStoreConfig::new(cfg.master_addr.clone(), cfg.master_port)
             .with_connect_timeout(init_timeout)
-            .with_timeout(init_timeout.max(Duration::from_secs(1))),
+            .with_timeout(init_timeout.max(Duration::from_secs(1)))
+            .with_auth(cfg.auth.clone()),
     )
     .await?;
     Ok((Arc::new(client), server))
@@ -142,8 +147,11 @@ mod tests {
             world_size: 2,
             local_rank: 1,
             host_store: true,
+            auth: None,
         };
         assert_eq!(cfg, want);
+        let with_secret = InitConfig::from_lookup(table(&with(&[("COHORT_AUTH_TOKEN", "s3cret")]))).unwrap();
+        assert_eq!(with_secret.auth, cohort_core::protocol::AuthSecret::new("s3cret"));
         assert_eq!(InitConfig::from_lookup(table(&TORCHRUN)).unwrap().local_rank, 0);
         let hosted = InitConfig::from_lookup(table(&with(&[("TORCHELASTIC_USE_AGENT_STORE", "True")]))).unwrap();
         assert!(!hosted.host_store);

@@ -9,8 +9,8 @@ use std::net::SocketAddr;
 use std::time::Duration;
 
 use cohort_core::protocol::{
-    AuthNonce, AuthSecret, HANDSHAKE_LEN, Handshake, HandshakeError, HandshakeExpectation, HandshakeReply, NONCE_LEN,
-    PROOF_LEN, REPLY_PREFIX_LEN, ReplyPrefix, Role,
+    AuthSecret, HANDSHAKE_LEN, Handshake, HandshakeError, HandshakeExpectation, HandshakeReply, PROOF_LEN,
+    REPLY_PREFIX_LEN, ReplyPrefix, Role,
 };
 use cohort_core::work::{GroupId, Rank};
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
@@ -242,7 +242,7 @@ async fn handshake_on<S: AsyncRead + AsyncWrite + Unpin>(
     let expect = if auth.is_some() { expect.with_auth() } else { *expect };
     let mut mine = expect.handshake(index);
     if auth.is_some() {
-        mine.auth_nonce = Some(fresh_nonce().map_err(io)?);
+        mine.auth_nonce = Some(crate::net::fresh_nonce().map_err(io)?);
     }
     let mine = mine.encode();
     stream.write_all(&mine).await.map_err(io)?;
@@ -287,11 +287,4 @@ async fn handshake_on<S: AsyncRead + AsyncWrite + Unpin>(
     let rank = verdict?;
     theirs.into_result()?;
     Ok(rank)
-}
-
-/// A fresh challenge from the operating system's generator.
-fn fresh_nonce() -> std::io::Result<AuthNonce> {
-    let mut nonce = [0u8; NONCE_LEN];
-    getrandom::fill(&mut nonce).map_err(std::io::Error::other)?;
-    Ok(AuthNonce(nonce))
 }
