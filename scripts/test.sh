@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
-# The tests, as the README gives them and CI runs them: every Rust test in the workspace, then
-# the Python package's tests (cohort as a torch.distributed backend; see scripts/python-tests.sh).
+# The tests, as the README gives them and CI runs them: the Python package's tests (cohort as a
+# torch.distributed backend; see scripts/python-tests.sh), then every Rust test in the workspace.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-cargo test --workspace
+# The Python tests first: they make the venv with torch that the Rust tests of the interop with
+# PyTorch (its TCPStore client and server, torch ranks under `cohort launch`) then run against.
 bash scripts/python-tests.sh
+COHORT_TORCH_PYTHON="${COHORT_VENV:-$PWD/target/python-venv}/bin/python" cargo test --workspace

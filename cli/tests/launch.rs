@@ -113,6 +113,9 @@ fn launch_hosts_the_store_for_torch_ranks() {
         .output()
         .is_ok_and(|o| o.status.success());
     if !has_torch {
+        // scripts/test.sh (and so CI) sets the variable to its venv: a torch that is missing
+        // there is a failure, not a skip.
+        assert!(std::env::var_os("COHORT_TORCH_PYTHON").is_none(), "COHORT_TORCH_PYTHON={python} cannot import torch");
         eprintln!("skipped: no torch in {python} (set COHORT_TORCH_PYTHON to a python with torch)");
         return;
     }

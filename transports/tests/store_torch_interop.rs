@@ -5,9 +5,11 @@
 //! - our `TcpStore` client against PyTorch's server (`is_master=True`, the default libuv
 //!   backend, and the legacy backend with `use_libuv=False`).
 //!
-//! The Python interpreter is `$COHORT_TORCH_PYTHON`, else `python3`. When it cannot import
-//! torch, each test prints "skipped: torch not importable (set COHORT_TORCH_PYTHON)" and
-//! passes.
+//! The Python interpreter is `$COHORT_TORCH_PYTHON`, else `python3`. When that variable is
+//! set (`scripts/test.sh`, and so CI, sets it to the venv it installs torch into), a Python
+//! that cannot import torch fails the tests. When it is not set and `python3` has no torch (a
+//! bare `cargo test`), each test prints "skipped: torch not importable (set
+//! COHORT_TORCH_PYTHON)" and passes.
 
 use std::io::{BufRead, BufReader, Read};
 use std::process::{Child, Command, Stdio};
@@ -27,6 +29,8 @@ fn torch_python() -> Option<String> {
         .is_ok_and(|status| status.success());
     if ok {
         Some(python)
+    } else if std::env::var_os("COHORT_TORCH_PYTHON").is_some() {
+        panic!("COHORT_TORCH_PYTHON={python} cannot import torch.distributed");
     } else {
         println!("skipped: torch not importable (set COHORT_TORCH_PYTHON)");
         None
