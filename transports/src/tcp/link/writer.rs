@@ -13,7 +13,7 @@ use tokio::io::{AsyncWrite, AsyncWriteExt};
 use tokio::sync::mpsc;
 
 use super::{Inbound, LaneRx, OnWritten, Outbound, Written};
-use crate::tcp::tunables::COALESCE_LIMIT;
+use crate::tcp::tunables::{COALESCE_LIMIT, WRITER_START};
 
 /// Write every frame from `rx` to `stream`; on a write error, report it and stop.
 pub(crate) async fn run_writer<W>(
@@ -30,8 +30,11 @@ pub(crate) async fn run_writer<W>(
     // connections per rank, most of which only ever carry heartbeats and small control frames,
     // so reserving the coalescing limit for each would hold tens of KiB per idle connection.
     // Once grown it keeps its capacity (at most the limit plus one frame), so a busy connection
-    // pays for the growth once.
-    let mut small = Vec::new();
+    // pays for the growth once. It starts with room for a few small frames, allocated now, as
+    // the connection starts: a runtime thread's first allocation maps fresh memory, which on a
+    // host that backs memory lazily (a huge page zeroed and mapped in) takes milliseconds, and
+    // at the first queued frame it would hold up the group's first collectives.
+    let mut small = Vec::with_capacity(WRITER_START);
     let mut notify = WrittenBatch::default();
     while let Some(first) = rx.recv().await {
         let mut batch = 0;
