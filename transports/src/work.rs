@@ -154,17 +154,13 @@ pub(crate) trait Progress: Send + Sync {
     /// Someone waits for a work or asks about it: send what the group holds back now (a work
     /// may need this rank's own frames to end; see the TCP backend's `Corks`).
     fn flush(&self);
-    /// A polling thread's yield after an empty poll took `took` (more than
-    /// [`YIELD_RAN_ANOTHER`]): another thread ran on its core meanwhile. Whether the thread
-    /// should stop polling and sleep.
-    fn lost_core(&self, _took: Duration) -> bool {
-        false
-    }
 }
 
-/// How long a yield takes, at least, when it ran another thread: many times what a yield
-/// that finds nobody waiting takes.
-const YIELD_RAN_ANOTHER: Duration = Duration::from_micros(10);
+/// How long a polling thread spins between yields: a thread that waits for its core (the
+/// peer's, or this rank's runtime thread, on a host with fewer free cores than busy threads)
+/// gets it within this; a yield that finds nobody waiting costs a system call, a few percent
+/// of this.
+const YIELD_EVERY: Duration = Duration::from_micros(20);
 
 /// A group's [`Progress`], shared by its works.
 pub(crate) type ProgressFn = Arc<dyn Progress>;
@@ -337,13 +333,12 @@ impl Work {
     /// Run the work's progress function until the work ends, the time it grants is spent or
     /// it says to stop; true if the time was spent.
     ///
-    /// Between empty polls the thread yields its core instead of spinning: where a thread of
-    /// the peer (or of this rank's runtime) waits for that core, as it does when the ranks
-    /// outnumber the cores left free, a spinning thread would hold it until the scheduler's
-    /// tick and the frame it waits for could not be sent; on a core nobody else wants the
-    /// yield returns at once. A yield after an empty poll that returns only after
-    /// [`YIELD_RAN_ANOTHER`] let another thread run; [`Progress::lost_core`] then says whether
-    /// to go on polling. Once the time is spent the thread sleeps without a last yield.
+    /// Between empty polls the thread spins, and every [`YIELD_EVERY`] it yields its core:
+    /// where a thread of the peer (or of this rank's runtime) waits for that core, as it does
+    /// when another job takes a core, a thread that only spun would hold its core until the
+    /// scheduler's tick while the frame it waits for could not be sent (whole iterations of a
+    /// millisecond and more); on a core nobody else wants the yield returns at once, and
+    /// spinning in between keeps the reaction to an arriving frame as quick as it can be.
     fn busy_poll(&self, progress: &ProgressFn) -> bool {
         if self.ended() {
             // Already over (all but the first of a batch of works, usually): no poller
@@ -355,23 +350,25 @@ impl Work {
         // A zero budget still looks once: what the thread waits for has often arrived.
         let mut spent = !budget.is_zero();
         let mut first = true;
+        let mut next_yield = start + YIELD_EVERY;
         loop {
             let delivered = progress.poll(std::mem::take(&mut first));
             if delivered.is_none() {
                 spent = false;
             }
-            if self.ended() || start.elapsed() >= budget {
+            let now = std::time::Instant::now();
+            if self.ended() || now.duration_since(start) >= budget {
                 break;
             }
-            if delivered == Some(true) {
-                continue;
-            }
-            let yielded = std::time::Instant::now();
-            std::thread::yield_now();
-            let took = yielded.elapsed();
-            if delivered.is_some() && took > YIELD_RAN_ANOTHER && !self.ended() && progress.lost_core(took) {
-                spent = false;
-                break;
+            match delivered {
+                Some(true) => continue,
+                // Another thread polls this group's sockets: give it the core.
+                None => std::thread::yield_now(),
+                Some(false) if now < next_yield => std::hint::spin_loop(),
+                Some(false) => {
+                    std::thread::yield_now();
+                    next_yield = std::time::Instant::now() + YIELD_EVERY;
+                }
             }
         }
         progress.stop(self.ended());

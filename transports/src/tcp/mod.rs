@@ -60,9 +60,7 @@ pub use split::{Lineage, NEXT_GROUP_ID_KEY, SplitError};
 
 use self::collective::Request;
 use self::state::{DriverState, Effects, Payload};
-use self::tunables::{
-    CONTENDED_MEMORY, CONTENDED_QUIET_MAX, CONTENDED_QUIET_MIN, LOST_CORE, MAX_POLL_FACTOR, SHARED_CORE_SLEEP_EVERY,
-};
+use self::tunables::MAX_POLL_FACTOR;
 use crate::store::Store;
 use crate::work::{CompletionHook, Work};
 
@@ -123,17 +121,6 @@ pub(crate) struct Inner {
 /// meanwhile, gives up in turn, and the two ranks take turns sleeping, each wake-up taking
 /// longer than the setting). Such a sleep doubles the time, up to that cap; a longer sleep
 /// halves it, down to the setting. A work that ends while its thread polls changes nothing.
-///
-/// Polling also gives way to other threads (see [`crate::work::Progress::lost_core`]). When
-/// a yielding poller's core ran another thread for a whole time slice ([`LOST_CORE`]), the
-/// host has more busy threads than cores (another job, a build): a thread that polls then
-/// takes turns with them for the core, a slice each, where a sleeping one is woken by the
-/// frame it waits for. Waits then sleep at once (after one look) for [`CONTENDED_QUIET_MIN`],
-/// twice as long at each such loss within [`CONTENDED_MEMORY`] of the last, up to
-/// [`CONTENDED_QUIET_MAX`]. When the core ran another thread only briefly (the peer's rank on
-/// the same core, most often), the two take turns at each yield; the poller sleeps at most
-/// once every [`SHARED_CORE_SLEEP_EVERY`], so that the scheduler, waking it, may move it to an
-/// idle core (it seldom moves a thread that has just run, and two that take turns always have).
 #[derive(Debug)]
 pub(crate) struct Polling {
     active: usize,
@@ -141,59 +128,11 @@ pub(crate) struct Polling {
     last_finished: Option<std::time::Instant>,
     base: std::time::Duration,
     budget: std::time::Duration,
-    /// Waits do not poll until then (a polling thread lost its core).
-    quiet_until: Option<std::time::Instant>,
-    /// When a polling thread last lost its core.
-    last_contended: Option<std::time::Instant>,
-    /// The next quiet spell's length.
-    quiet: std::time::Duration,
-    /// When a poller last slept because it shared its core.
-    shared_sleep: Option<std::time::Instant>,
 }
 
 impl Polling {
     pub(crate) fn new(base: std::time::Duration) -> Self {
-        Polling {
-            active: 0,
-            sleepers: 0,
-            last_finished: None,
-            base,
-            budget: base,
-            quiet_until: None,
-            last_contended: None,
-            quiet: CONTENDED_QUIET_MIN,
-            shared_sleep: None,
-        }
-    }
-
-    /// How long a thread that starts polling now may poll: nothing during a quiet spell.
-    fn grant(&mut self, now: std::time::Instant) -> std::time::Duration {
-        match self.quiet_until {
-            Some(until) if now < until => std::time::Duration::ZERO,
-            _ => {
-                self.quiet_until = None;
-                self.budget
-            }
-        }
-    }
-
-    /// A polling thread's yield ran another thread for `took`: whether it should sleep (see
-    /// above).
-    fn lost_core(&mut self, now: std::time::Instant, took: std::time::Duration) -> bool {
-        if took > LOST_CORE {
-            if self.last_contended.is_none_or(|t| now.duration_since(t) > CONTENDED_MEMORY) {
-                self.quiet = CONTENDED_QUIET_MIN;
-            }
-            self.last_contended = Some(now);
-            self.quiet_until = Some(now + self.quiet);
-            self.quiet = (self.quiet * 2).min(CONTENDED_QUIET_MAX);
-            return true;
-        }
-        if self.shared_sleep.is_some_and(|t| now.duration_since(t) < SHARED_CORE_SLEEP_EVERY) {
-            return false;
-        }
-        self.shared_sleep = Some(now);
-        true
+        Polling { active: 0, sleepers: 0, last_finished: None, base, budget: base }
     }
 
     fn adapt(&mut self, slept: std::time::Duration) {
@@ -218,12 +157,7 @@ impl crate::work::Progress for Poller {
         let Some(inner) = self.0.upgrade() else { return std::time::Duration::ZERO };
         let mut p = inner.polls();
         p.active += 1;
-        p.grant(std::time::Instant::now())
-    }
-
-    fn lost_core(&self, took: std::time::Duration) -> bool {
-        let Some(inner) = self.0.upgrade() else { return true };
-        inner.polls().lost_core(std::time::Instant::now(), took)
+        p.budget
     }
 
     fn poll(&self, first: bool) -> Option<bool> {
@@ -830,49 +764,6 @@ mod tests {
         let mut off = Polling::new(Duration::ZERO);
         off.adapt(Duration::ZERO);
         assert_eq!(off.budget, Duration::ZERO, "polling that is off stays off");
-    }
-
-    #[test]
-    fn a_core_lost_for_a_slice_stops_polling_for_a_spell_that_doubles_while_it_recurs() {
-        use super::{CONTENDED_MEMORY, CONTENDED_QUIET_MAX, CONTENDED_QUIET_MIN, LOST_CORE};
-
-        let base = Duration::from_micros(50);
-        let slice = LOST_CORE * 2;
-        let mut p = Polling::new(base);
-        let t0 = std::time::Instant::now();
-        assert_eq!(p.grant(t0), base, "no contention yet: the budget");
-        assert!(p.lost_core(t0, slice), "the poller sleeps");
-        assert_eq!(p.grant(t0), Duration::ZERO, "quiet right after");
-        let end = t0 + CONTENDED_QUIET_MIN;
-        assert_eq!(p.grant(end), base, "polling again once the spell is over");
-        assert!(p.lost_core(end, slice));
-        assert_eq!(p.grant(end + CONTENDED_QUIET_MIN), Duration::ZERO, "a recurrence: a longer spell");
-        assert_eq!(p.grant(end + CONTENDED_QUIET_MIN * 2), base, "twice the first");
-        let mut t = end;
-        for _ in 0..20 {
-            t += CONTENDED_QUIET_MAX;
-            p.lost_core(t, slice);
-        }
-        assert_eq!(p.quiet, CONTENDED_QUIET_MAX, "bounded");
-        let later = t + CONTENDED_MEMORY * 2;
-        assert_eq!(p.grant(later), base);
-        assert!(p.lost_core(later, slice));
-        assert_eq!(p.grant(later + CONTENDED_QUIET_MIN), base, "an old contention is forgotten");
-        assert_eq!(p.budget, base, "the adaptive budget is left alone");
-    }
-
-    #[test]
-    fn a_core_shared_for_a_moment_puts_a_poller_to_sleep_at_most_once_a_while() {
-        use super::{LOST_CORE, SHARED_CORE_SLEEP_EVERY};
-
-        let base = Duration::from_micros(50);
-        let turn = LOST_CORE / 10;
-        let mut p = Polling::new(base);
-        let t0 = std::time::Instant::now();
-        assert!(p.lost_core(t0, turn), "the first: sleep, so the scheduler may move the thread");
-        assert!(!p.lost_core(t0 + SHARED_CORE_SLEEP_EVERY / 2, turn), "then take turns at the yields");
-        assert!(p.lost_core(t0 + SHARED_CORE_SLEEP_EVERY * 2, turn), "and sleep again a while later");
-        assert_eq!(p.grant(t0 + SHARED_CORE_SLEEP_EVERY * 2), base, "no quiet spell for a shared core");
     }
 
     /// A collective that receives large chunks finds buffers for all of it held by the pool

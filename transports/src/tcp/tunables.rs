@@ -72,33 +72,6 @@ pub(crate) const POOL_DEFAULT_LIMIT: usize = 64 << 20;
 /// polls in vain gives its core back in bounded time.
 pub(crate) const MAX_POLL_FACTOR: u32 = 16;
 
-/// How long a polling thread's yield may take before the thread counts its core as taken by
-/// another thread for a time slice (see [`Polling`](super::Polling)): far above
-/// the turn of a peer's thread that shares the core (it yields back within tens of
-/// microseconds), below the shortest slice the scheduler gives a busy thread.
-pub(crate) const LOST_CORE: Duration = Duration::from_micros(500);
-
-/// How often, at most, a polling thread that shares its core with another poller (its yields
-/// run the other thread briefly) sleeps instead of yielding, so that the scheduler, waking it,
-/// may move it to an idle core. Each such sleep costs a wake-up; one in this long costs little
-/// where no core is idle.
-pub(crate) const SHARED_CORE_SLEEP_EVERY: Duration = Duration::from_millis(1);
-
-/// How long waits stop polling after a polling thread lost its core for a time slice (see
-/// [`Polling`](super::Polling)). Short, so that a host that was busy for a moment costs few
-/// polled waits.
-pub(crate) const CONTENDED_QUIET_MIN: Duration = Duration::from_millis(1);
-
-/// The longest quiet spell: each contention within [`CONTENDED_MEMORY`] of the last doubles
-/// the spell up to this. Each spell ends with a wait that polls again to see whether the cores
-/// are free, and on a host that stays busy that wait may lose a time slice: one in this long
-/// keeps the cost to a few percent, while a host that became idle polls again soon enough.
-pub(crate) const CONTENDED_QUIET_MAX: Duration = Duration::from_millis(128);
-
-/// How long a contention is remembered: one that follows the last by more than this starts
-/// over at [`CONTENDED_QUIET_MIN`].
-pub(crate) const CONTENDED_MEMORY: Duration = Duration::from_secs(1);
-
 /// How long a connection's reader task leaves reading to waiting threads after the last of
 /// them finished its work: a thread that waits again soon reads the next frame itself, and
 /// the frame wakes nobody. Frames that nobody waits for are read at the latest this much later
