@@ -437,11 +437,14 @@ impl<S: AsyncRead + AsyncWrite + Unpin> Conn<S> {
     /// checked, then this client's proof.
     async fn handshake(&mut self, addr: &str, auth: Option<&AuthSecret>) -> Result<(), StoreError> {
         let refused = |reason: &str| StoreError::Auth { addr: addr.to_owned(), reason: reason.to_owned() };
-        let validate = Request::Validate { magic: VALIDATION_MAGIC }.to_bytes();
-        self.stream.write_all(&validate).await.map_err(|source| StoreError::Io { op: "validate", source })?;
+        let nonce = std::process::id();
+        // Requests go out in as few writes as the exchange allows: VALIDATE with the first of
+        // the rest, the proof with the PING.
+        let mut bytes = Request::Validate { magic: VALIDATION_MAGIC }.to_bytes();
         if let Some(secret) = auth {
             let mine = crate::net::fresh_nonce().map_err(|source| StoreError::Io { op: "authenticate", source })?;
-            self.send("authenticate", &Request::Auth { nonce: mine.0.to_vec() }).await?;
+            Request::Auth { nonce: mine.0.to_vec() }.encode(&mut bytes);
+            self.stream.write_all(&bytes).await.map_err(|source| StoreError::Io { op: "authenticate", source })?;
             let challenge = match self.recv("authenticate", ReplyKind::Bytes, addr).await {
                 Ok(Reply::Bytes(b)) if b.len() == NONCE_LEN + PROOF_LEN => b,
                 Ok(other) => return Err(unexpected("authenticate", "a nonce and a proof", Some(other))),
@@ -458,8 +461,11 @@ impl<S: AsyncRead + AsyncWrite + Unpin> Conn<S> {
                     "the store's proof of the shared secret is wrong: it has another secret (COHORT_AUTH_TOKEN)",
                 ));
             }
-            let mine = proof(secret, Role::StoreClient, &mine.0, theirs);
-            self.send("authenticate", &Request::AuthProof { proof: mine.to_vec() }).await?;
+            bytes = Request::AuthProof { proof: proof(secret, Role::StoreClient, &mine.0, theirs).to_vec() }.to_bytes();
+        }
+        Request::Ping { nonce }.encode(&mut bytes);
+        self.stream.write_all(&bytes).await.map_err(|source| StoreError::Io { op: "validate", source })?;
+        if auth.is_some() {
             match self.recv("authenticate", ReplyKind::Int, addr).await {
                 Ok(Reply::Int(1)) => {}
                 Ok(other) => return Err(unexpected("authenticate", "1", Some(other))),
@@ -467,8 +473,6 @@ impl<S: AsyncRead + AsyncWrite + Unpin> Conn<S> {
                 Err(e) => return Err(e),
             }
         }
-        let nonce = std::process::id();
-        self.send("ping", &Request::Ping { nonce }).await?;
         match self.recv("ping", ReplyKind::Nonce, addr).await {
             Ok(Reply::Nonce(echoed)) if echoed == nonce => Ok(()),
             Ok(other) => Err(unexpected("ping", "the nonce sent", Some(other))),
