@@ -141,6 +141,11 @@ pub type AbortFn = Box<dyn Fn(&str) + Send + Sync>;
 pub(crate) trait Progress: Send + Sync {
     /// A thread starts polling; for how long at most.
     fn begin(&self) -> Duration;
+    /// How long a polling thread spins between yields of its core (zero: it yields after
+    /// every empty poll).
+    fn yield_every(&self) -> Duration {
+        YIELD_EVERY
+    }
     /// Read what has arrived and feed it; whether anything was delivered, or `None` if the
     /// thread had better stop polling and sleep. `first`: the thread's first poll of this wait
     /// (what it waits for has often arrived already; the transport may read without asking).
@@ -156,11 +161,11 @@ pub(crate) trait Progress: Send + Sync {
     fn flush(&self);
 }
 
-/// How long a polling thread spins between yields: a thread that waits for its core (the
-/// peer's, or this rank's runtime thread, on a host with fewer free cores than busy threads)
-/// gets it within this; a yield that finds nobody waiting costs a system call, a few percent
-/// of this.
-const YIELD_EVERY: Duration = Duration::from_micros(20);
+/// How long a polling thread spins between yields, unless its group says otherwise
+/// ([`Progress::yield_every`]): a thread that waits for its core (the peer's, or this rank's
+/// runtime thread, on a host where another job holds a core) gets it within this; a yield that
+/// finds nobody waiting costs a system call, a few percent of this.
+pub(crate) const YIELD_EVERY: Duration = Duration::from_micros(20);
 
 /// A group's [`Progress`], shared by its works.
 pub(crate) type ProgressFn = Arc<dyn Progress>;
@@ -333,7 +338,8 @@ impl Work {
     /// Run the work's progress function until the work ends, the time it grants is spent or
     /// it says to stop; true if the time was spent.
     ///
-    /// Between empty polls the thread spins, and every [`YIELD_EVERY`] it yields its core:
+    /// Between empty polls the thread spins, and every [`YIELD_EVERY`] (or as
+    /// [`Progress::yield_every`] says) it yields its core:
     /// where a thread of the peer (or of this rank's runtime) waits for that core, as it does
     /// when another job takes a core, a thread that only spun would hold its core until the
     /// scheduler's tick while the frame it waits for could not be sent (whole iterations of a
@@ -346,11 +352,12 @@ impl Work {
             return false;
         }
         let budget = progress.begin();
+        let yield_every = progress.yield_every();
         let start = std::time::Instant::now();
         // A zero budget still looks once: what the thread waits for has often arrived.
         let mut spent = !budget.is_zero();
         let mut first = true;
-        let mut next_yield = start + YIELD_EVERY;
+        let mut next_yield = start + yield_every;
         loop {
             let delivered = progress.poll(std::mem::take(&mut first));
             if delivered.is_none() {
@@ -367,7 +374,7 @@ impl Work {
                 Some(false) if now < next_yield => std::hint::spin_loop(),
                 Some(false) => {
                     std::thread::yield_now();
-                    next_yield = std::time::Instant::now() + YIELD_EVERY;
+                    next_yield = std::time::Instant::now() + yield_every;
                 }
             }
         }

@@ -160,6 +160,13 @@ impl crate::work::Progress for Poller {
         p.budget
     }
 
+    fn yield_every(&self) -> std::time::Duration {
+        match self.0.upgrade() {
+            Some(inner) if inner.opts.oversubscribed => std::time::Duration::ZERO,
+            _ => crate::work::YIELD_EVERY,
+        }
+    }
+
     fn poll(&self, first: bool) -> Option<bool> {
         self.0.upgrade().and_then(|inner| inner.progress(first))
     }

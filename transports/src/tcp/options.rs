@@ -57,10 +57,13 @@ pub struct TcpOptions {
     pub buffer_pool_bytes: usize,
     /// How long a thread waiting for a work of at most [`BUSY_POLL_MAX_BYTES`] reads the
     /// sockets itself before it sleeps: the frame that finishes the work then wakes nobody.
-    /// Zero turns it off (every wait sleeps at once). `COHORT_BUSY_POLL_US`; default 50, but
-    /// off when `LOCAL_WORLD_SIZE` (set by `cohort launch`, torchrun and `cohort bench`) says
-    /// this host runs more ranks than it has cores.
+    /// Zero turns it off (every wait sleeps at once). `COHORT_BUSY_POLL_US`, default 50.
     pub busy_poll: Duration,
+    /// This host runs more ranks than it has cores (`LOCAL_WORLD_SIZE`, set by `cohort launch`,
+    /// torchrun and `cohort bench`, says so): a polling thread then yields its core after
+    /// every empty poll, as MPI does when oversubscribed, so that the rank whose frame it waits
+    /// for runs at once; otherwise it spins between yields 20 µs apart.
+    pub oversubscribed: bool,
     /// Worker threads of the tokio runtime that [`init_process_group`](super::init_process_group)
     /// builds for the group: they run the reader, writer and timer tasks (a group made with
     /// `ProcessGroup::connect` runs on the caller's runtime and ignores this). One is enough
@@ -103,6 +106,7 @@ impl Default for TcpOptions {
             max_in_flight: 64,
             buffer_pool_bytes: super::link::BufferPool::DEFAULT_LIMIT,
             busy_poll: Duration::from_micros(50),
+            oversubscribed: false,
             io_threads: 1,
             trace_buffer_size: 2000,
             dump_prefix: None,
@@ -162,16 +166,11 @@ impl TcpOptions {
         if let Some(level) = v.error_handling()? {
             o.error_handling = level;
         }
-        o.busy_poll = match v.micros(env::BUSY_POLL_US)? {
-            Some(t) => t,
-            None => {
-                // More ranks on this host than cores: a spinning rank would take the core a peer
-                // needs to answer it (as MPI yields when oversubscribed).
-                let local = v.u64(env::LOCAL_WORLD_SIZE)?.unwrap_or(1);
-                let cores = std::thread::available_parallelism().map_or(1, |n| n.get() as u64);
-                if local > cores { Duration::ZERO } else { o.busy_poll }
-            }
-        };
+        if let Some(t) = v.micros(env::BUSY_POLL_US)? {
+            o.busy_poll = t;
+        }
+        let local = v.u64(env::LOCAL_WORLD_SIZE)?.unwrap_or(1);
+        o.oversubscribed = local > std::thread::available_parallelism().map_or(1, |n| n.get() as u64);
         if let Some(n) = v.u64(env::IO_THREADS)? {
             o.io_threads = io_threads(n)?;
         }
@@ -282,6 +281,20 @@ mod tests {
     fn table(pairs: &[(&str, &str)]) -> impl Fn(&str) -> Option<String> {
         let pairs: Vec<(String, String)> = pairs.iter().map(|&(n, v)| (n.to_owned(), v.to_owned())).collect();
         move |name: &str| pairs.iter().find(|(n, _)| n == name).map(|(_, v)| v.clone())
+    }
+
+    #[test]
+    fn more_local_ranks_than_cores_keeps_polling_but_yields_at_every_poll() {
+        let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+        let crowded = (cores + 1).to_string();
+        let o = TcpOptions::from_lookup(table(&[("LOCAL_WORLD_SIZE", crowded.as_str())])).unwrap();
+        assert!(o.oversubscribed);
+        assert_eq!(o.busy_poll, Duration::from_micros(50), "polling stays on");
+        let o = TcpOptions::from_lookup(table(&[("LOCAL_WORLD_SIZE", "1")])).unwrap();
+        assert!(!o.oversubscribed);
+        let o = TcpOptions::from_lookup(table(&[("LOCAL_WORLD_SIZE", crowded.as_str()), ("COHORT_BUSY_POLL_US", "0")]))
+            .unwrap();
+        assert_eq!(o.busy_poll, Duration::ZERO, "the variable still turns it off");
     }
 
     #[test]
