@@ -2,8 +2,9 @@
 """Side-by-side figures for cohort's TCP data plane against its anchors, run alternately.
 
 Each repetition runs, one after another: every row of cohort (`cohort bench`) each followed by the
-same row of OpenMPI over TCP (the anchor program built from MPI_SRC with mpicc, run with
-`--mca pml ob1 --mca btl tcp,self`) where it has one, and, with 2 ranks, by a bare TCP exchange of
+same row of OpenMPI over TCP and over shared memory (the anchor program built from MPI_SRC with
+mpicc, run with `--mca pml ob1 --mca btl tcp,self`, then `--mca btl self,vader`) where it has
+one, and, with 2 ranks, by a bare TCP exchange of
 the row's bytes (scripts/tcp_exchange.c, built with cc: two processes each send and receive the
 bytes at once, what a 2-rank allreduce moves, with no reduction: the floor under its time), so
 that each group runs seconds apart; then
@@ -19,7 +20,8 @@ goes to --raw as JSON.
         --mpi-src ../shared/bench/mpi_allreduce.c \\
         --torch-bench ../shared/bench/torch_gloo_bench.py --torch-python /path/venv/bin/python
 
-Rows: float32 SUM allreduce at 4 B, 1 MiB and 64 MiB (µs; busbw GB/s), barrier, and the work
+Rows: float32 SUM allreduce at 4 B (steady, and the first 500 of a fresh group with no warm-up),
+1 MiB and 64 MiB (µs; busbw GB/s), barrier, and the work
 lifecycle (a zero-element allreduce, synchronous and with 16 in flight). The TCP exchange's busbw
 is the one an allreduce taking its time would have.
 """
@@ -52,6 +54,8 @@ def run(cmd, timeout=600, env=None):
 
 COHORT_ROWS = {
     "allreduce 4 B": ["-b", "4", "-e", "4", "-n", "2000", "-w", "200"],
+    # The first 500 of a fresh group, no warm-up: what a job with few small collectives sees.
+    "allreduce 4 B, cold": ["-b", "4", "-e", "4", "-n", "500", "-w", "0"],
     "allreduce 1 MiB": ["-b", "1M", "-e", "1M", "-n", "200", "-w", "20"],
     "allreduce 64 MiB": ["-b", "64M", "-e", "64M", "-n", "10", "-w", "3"],
     "barrier": ["-o", "barrier", "-n", "2000", "-w", "200"],
@@ -73,20 +77,23 @@ ROW = re.compile(r"^\s+(\d+)\s+(\d+)\s+([\d.]+)\s+([\d.]+)\s+([\d.]+)")
 # 1 MiB an iteration takes about half a millisecond and a stalled one a millisecond or more (in
 # this machine's slow spells OpenMPI's times rise too): with 50 iterations, a few stalls decided
 # a repetition's mean, and the per-repetition ratio to OpenMPI ranged from 0.62 to 2.04.
-MPI_ROWS = {"allreduce 4 B": (4, 2000, 200), "allreduce 1 MiB": (1 << 20, 200, 20), "allreduce 64 MiB": (64 << 20, 10, 3)}
+MPI_ROWS = {"allreduce 4 B": (4, 2000, 200), "allreduce 4 B, cold": (4, 500, 0), "allreduce 1 MiB": (1 << 20, 200, 20),
+            "allreduce 64 MiB": (64 << 20, 10, 3)}
 # torch_gloo_bench.py's iterations and warm-up for every size of its sweep (the 64 MiB row's, as
 # everyone's): at 64 MiB the first iterations on fresh connections run long (even the bare
 # exchange's first takes twice its later ones), and 5 timed iterations after 1 left each
 # repetition's figure at the mercy of one slow iteration.
 TORCH_ITERS = ("10", "3")
-SIZES = {size: name for name, (size, _, _) in MPI_ROWS.items()}
+SIZES = {size: name for name, (size, _, _) in MPI_ROWS.items() if "cold" not in name}
+# OpenMPI's transports: over TCP, and over shared memory between the ranks of one host.
+MPI_BTLS = {"OpenMPI TCP": "tcp,self", "OpenMPI vader": "self,vader"}
 
 
-def mpi_row(exe, ranks, name):
-    """One OpenMPI row: (time_us, busbw)."""
+def mpi_row(exe, ranks, name, btl="tcp,self"):
+    """One OpenMPI row over `btl`: (time_us, busbw)."""
     size, iters, warm = MPI_ROWS[name]
     base = ["mpirun", "--allow-run-as-root", "--oversubscribe", "--mca", "pml", "ob1",
-            "--mca", "btl", "tcp,self", "-np", str(ranks), exe]
+            "--mca", "btl", btl, "-np", str(ranks), exe]
     for line in run(base + [str(size), str(size), str(iters), str(warm)]).splitlines():
         m = ROW.match(line)
         if m and int(m.group(1)) == size:
@@ -202,26 +209,27 @@ def main():
     else:
         skipped.append("iperf3 (not installed)")
 
-    names = ["cohort"] + (["OpenMPI TCP"] if mpi_exe else []) + (["TCP exchange"] if exchange_exe else []) + list(others)
+    mpis = list(MPI_BTLS) if mpi_exe else []
+    names = ["cohort"] + mpis + (["TCP exchange"] if exchange_exe else []) + list(others)
     raw = {name: [] for name in names}
     for rep in range(a.reps):
-        mine, theirs, floor = {}, {}, {}
+        mine, theirs, floor = {}, {m: {} for m in mpis}, {}
         for row in COHORT_ROWS:
             mine[row] = cohort_row(a.cohort, a.ranks, row)
-            if mpi_exe and row in MPI_ROWS:
+            for m in mpis if row in MPI_ROWS else []:
                 try:
-                    theirs[row] = mpi_row(mpi_exe, a.ranks, row)
+                    theirs[m][row] = mpi_row(mpi_exe, a.ranks, row, MPI_BTLS[m])
                 except RuntimeError as e:
                     # An anchor that fails once leaves a gap in its column, not a lost run.
-                    print(f"rep {rep + 1}/{a.reps}: OpenMPI {row} failed, left out: {e}", file=sys.stderr)
+                    print(f"rep {rep + 1}/{a.reps}: {m} {row} failed, left out: {e}", file=sys.stderr)
             if exchange_exe and row in ("allreduce 1 MiB", "allreduce 64 MiB"):
                 try:
                     floor[row] = exchange_row(exchange_exe, row)
                 except RuntimeError as e:
                     print(f"rep {rep + 1}/{a.reps}: TCP exchange {row} failed, left out: {e}", file=sys.stderr)
         raw["cohort"].append(mine)
-        if mpi_exe:
-            raw["OpenMPI TCP"].append(theirs)
+        for m in mpis:
+            raw[m].append(theirs[m])
         if exchange_exe:
             raw["TCP exchange"].append(floor)
         print(f"rep {rep + 1}/{a.reps}: cohort and OpenMPI done", file=sys.stderr)
@@ -239,7 +247,8 @@ def main():
     rows = list(COHORT_ROWS)
     cols = [n for n in names if n != "iperf3"]
     # Time ratios of two columns, taken per repetition (same rep, close in time), then the median.
-    pairs = [(x, y) for x, y in (("cohort", "OpenMPI TCP"), ("torch gloo", "cohort"), ("cohort", "TCP exchange"))
+    pairs = [(x, y) for x, y in (("cohort", "OpenMPI TCP"), ("cohort", "OpenMPI vader"), ("torch gloo", "cohort"),
+                                 ("cohort", "TCP exchange"))
              if x in cols and y in cols]
 
     def ratio(x, y, row):
