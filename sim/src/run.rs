@@ -506,7 +506,8 @@ impl fmt::Display for Report {
                 );
                 write_rank(f, first, &label)?;
             }
-            for r in self.ranks.iter().filter(|r| !majority.contains(&Rank(r.rank))) {
+            // Ranks went in in order, so the list is sorted.
+            for r in self.ranks.iter().filter(|r| majority.binary_search(&Rank(r.rank)).is_err()) {
                 write_rank(f, r, &format!("rank {}", r.rank))?;
             }
         }

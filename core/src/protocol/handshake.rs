@@ -561,6 +561,17 @@ pub enum HandshakeError {
 }
 
 impl HandshakeError {
+    /// The rank a peer claimed, when it is refused for how it authenticated (a wrong proof,
+    /// none where one is required, one where none is).
+    pub fn unauthenticated_rank(&self) -> Option<Rank> {
+        match self {
+            HandshakeError::AuthMismatch { peer_rank }
+            | HandshakeError::MissingAuth { peer_rank }
+            | HandshakeError::UnexpectedAuth { peer_rank } => Some(*peer_rank),
+            _ => None,
+        }
+    }
+
     /// The reason code that reports this error to the peer in a [`HandshakeReply`].
     pub fn reject_reason(&self) -> RejectReason {
         match self {

@@ -138,7 +138,7 @@ impl ProcessGroup {
         let lazy = opts.lazy_connect.then_some(k);
         let secret = opts.auth.clone();
         let inner = Arc::new_cyclic(|weak: &std::sync::Weak<Inner>| {
-            let progress: crate::work::ProgressFn = Arc::new(super::Poller(weak.clone()));
+            let progress: crate::work::ProgressFn = Arc::new(super::Poller::new(weak.clone(), &opts));
             let polling = Mutex::new(super::Polling::new(opts.busy_poll));
             let weak = weak.clone();
             let on_written: super::state::OnWritten = Arc::new(move |to, ids, outcome| {
@@ -341,11 +341,8 @@ async fn mesh<N: Net>(
                         Err(HandshakeFailure::Refused(e)) if e.reject_reason() == RejectReason::Auth => {
                             // Logged where it was refused. Not fatal: a party without the
                             // secret must not be able to stop the job's init.
-                            if let HandshakeError::AuthMismatch { peer_rank }
-                            | HandshakeError::MissingAuth { peer_rank }
-                            | HandshakeError::UnexpectedAuth { peer_rank } = e
-                            {
-                                refused.insert(peer_rank.0, e);
+                            if let Some(rank) = e.unauthenticated_rank() {
+                                refused.insert(rank.0, e);
                             }
                         }
                         Err(e) => tracing::warn!(%remote, "dropped a connection that is no rank of this group: {e}"),

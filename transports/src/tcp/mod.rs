@@ -149,8 +149,16 @@ impl Polling {
     }
 }
 
-/// [`Inner`]'s side of [`crate::work::Progress`].
-pub(crate) struct Poller(pub(crate) std::sync::Weak<Inner>);
+/// [`Inner`]'s side of [`crate::work::Progress`], with the group's yield interval (see
+/// [`TcpOptions::oversubscribed`]), fixed for its life.
+pub(crate) struct Poller(pub(crate) std::sync::Weak<Inner>, pub(crate) std::time::Duration);
+
+impl Poller {
+    pub(crate) fn new(inner: std::sync::Weak<Inner>, opts: &TcpOptions) -> Poller {
+        let yield_every = if opts.oversubscribed { std::time::Duration::ZERO } else { crate::work::YIELD_EVERY };
+        Poller(inner, yield_every)
+    }
+}
 
 impl crate::work::Progress for Poller {
     fn begin(&self) -> std::time::Duration {
@@ -161,10 +169,7 @@ impl crate::work::Progress for Poller {
     }
 
     fn yield_every(&self) -> std::time::Duration {
-        match self.0.upgrade() {
-            Some(inner) if inner.opts.oversubscribed => std::time::Duration::ZERO,
-            _ => crate::work::YIELD_EVERY,
-        }
+        self.1
     }
 
     fn poll(&self, first: bool) -> Option<bool> {

@@ -182,11 +182,8 @@ pub(crate) async fn accepted_handshake<S: AsyncRead + AsyncWrite + Unpin>(
             format!("no handshake within {} ms", limit.as_millis()),
         ))),
     };
-    if let Err(HandshakeFailure::Refused(
-        e @ (HandshakeError::AuthMismatch { .. }
-        | HandshakeError::MissingAuth { .. }
-        | HandshakeError::UnexpectedAuth { .. }),
-    )) = &result
+    if let Err(HandshakeFailure::Refused(e)) = &result
+        && e.unauthenticated_rank().is_some()
     {
         tracing::error!(%remote, "refused a connection that failed authentication: {e}");
     }
