@@ -223,17 +223,43 @@ pub enum TensorError {
     UnknownDType(String),
 }
 
-/// Host bytes, 8-byte aligned so every [`Element`] view is sound.
-#[derive(Clone, Default, PartialEq, Eq)]
+/// Host bytes, 8-byte aligned so every [`Element`] view is sound: bytes cohort owns, or memory
+/// it borrows from its caller ([`HostBuffer::borrowed`]) so a collective runs in place in, say,
+/// a PyTorch tensor. A clone always owns its bytes: two buffers never share memory.
+#[derive(Default)]
 pub struct HostBuffer {
-    words: Vec<u64>,
-    len: usize,
+    repr: Repr,
 }
+
+enum Repr {
+    Owned { words: Vec<u64>, len: usize },
+    Borrowed(Borrowed),
+}
+
+impl Default for Repr {
+    fn default() -> Self {
+        Repr::Owned { words: Vec::new(), len: 0 }
+    }
+}
+
+/// Someone else's memory, kept alive by `_owner` (dropped with the buffer).
+struct Borrowed {
+    ptr: std::ptr::NonNull<u8>,
+    len: usize,
+    _owner: Box<dyn Send + Sync>,
+}
+
+// SAFETY: `HostBuffer::borrowed`'s caller promised that the bytes stay valid while `_owner`
+// lives and that nothing but this buffer touches them meanwhile, so the buffer may move to and
+// be shared with other threads as an owned one can (`&self` only reads).
+unsafe impl Send for Borrowed {}
+// SAFETY: as above.
+unsafe impl Sync for Borrowed {}
 
 impl HostBuffer {
     /// `len` zero bytes.
     pub fn zeroed(len: usize) -> Self {
-        HostBuffer { words: vec![0; len.div_ceil(8)], len }
+        HostBuffer { repr: Repr::Owned { words: vec![0; len.div_ceil(8)], len } }
     }
 
     /// A copy of `bytes`.
@@ -243,30 +269,90 @@ impl HostBuffer {
         b
     }
 
+    /// The `len` bytes at `ptr`, used in place: reads and writes of the buffer are reads and
+    /// writes of that memory. `owner` is dropped with the buffer (it is what keeps the memory
+    /// alive, for example a reference to the tensor that holds it). `None` when `ptr` is not
+    /// 8-byte aligned (typed views need it): copy the bytes instead. Empty memory gives an
+    /// owned empty buffer.
+    ///
+    /// # Safety
+    ///
+    /// While `owner` lives, `ptr` must be valid for reads and writes of `len` bytes, and while
+    /// the buffer lives nothing else may read or write them (no other buffer over the same
+    /// bytes either).
+    pub unsafe fn borrowed(ptr: *mut u8, len: usize, owner: Box<dyn Send + Sync>) -> Option<Self> {
+        if len == 0 {
+            return Some(HostBuffer::default());
+        }
+        if !(ptr as usize).is_multiple_of(8) {
+            return None;
+        }
+        let ptr = std::ptr::NonNull::new(ptr)?;
+        Some(HostBuffer { repr: Repr::Borrowed(Borrowed { ptr, len, _owner: owner }) })
+    }
+
+    /// Whether the buffer is borrowed memory ([`HostBuffer::borrowed`]), which must not be
+    /// reused for anything else.
+    pub fn is_borrowed(&self) -> bool {
+        matches!(self.repr, Repr::Borrowed(_))
+    }
+
     /// Length in bytes.
     pub fn len(&self) -> usize {
-        self.len
+        match &self.repr {
+            Repr::Owned { len, .. } => *len,
+            Repr::Borrowed(b) => b.len,
+        }
     }
 
     /// Whether it holds no bytes.
     pub fn is_empty(&self) -> bool {
-        self.len == 0
+        self.len() == 0
     }
 
     /// The bytes.
     pub fn as_bytes(&self) -> &[u8] {
-        &bytemuck::cast_slice(&self.words)[..self.len]
+        match &self.repr {
+            Repr::Owned { words, len } => &bytemuck::cast_slice(words)[..*len],
+            // SAFETY: valid for `len` bytes and touched by nobody else while the buffer lives
+            // (`borrowed`'s contract); the slice borrows `self`.
+            Repr::Borrowed(b) => unsafe { std::slice::from_raw_parts(b.ptr.as_ptr(), b.len) },
+        }
     }
 
     /// The bytes, mutably.
     pub fn as_bytes_mut(&mut self) -> &mut [u8] {
-        &mut bytemuck::cast_slice_mut(&mut self.words)[..self.len]
+        match &mut self.repr {
+            Repr::Owned { words, len } => &mut bytemuck::cast_slice_mut(words)[..*len],
+            // SAFETY: as in `as_bytes`, and the slice borrows `self` mutably, so it is the only
+            // reference to those bytes.
+            Repr::Borrowed(b) => unsafe { std::slice::from_raw_parts_mut(b.ptr.as_ptr(), b.len) },
+        }
     }
 }
 
+impl Clone for HostBuffer {
+    /// An owned copy, also of a borrowed buffer.
+    fn clone(&self) -> Self {
+        match &self.repr {
+            Repr::Owned { words, len } => HostBuffer { repr: Repr::Owned { words: words.clone(), len: *len } },
+            Repr::Borrowed(_) => HostBuffer::from_bytes(self.as_bytes()),
+        }
+    }
+}
+
+impl PartialEq for HostBuffer {
+    fn eq(&self, other: &Self) -> bool {
+        self.as_bytes() == other.as_bytes()
+    }
+}
+
+impl Eq for HostBuffer {}
+
 impl fmt::Debug for HostBuffer {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "HostBuffer({} bytes)", self.len)
+        let kind = if self.is_borrowed() { ", borrowed" } else { "" };
+        write!(f, "HostBuffer({} bytes{kind})", self.len())
     }
 }
 
@@ -563,6 +649,43 @@ mod tests {
         assert!(matches!(Tensor::from_host_buffer(DType::F64, &[1], twelve), Err(TensorError::RaggedBytes { .. })));
         let bad_bools = Tensor::from_slice(&[0u8, 2]).into_host_buffer();
         assert!(matches!(Tensor::from_host_buffer(DType::Bool, &[2], bad_bools), Err(TensorError::NotABool { .. })));
+    }
+
+    #[test]
+    fn a_borrowed_buffer_works_in_place_and_its_clone_owns_its_bytes() {
+        // u64s, so the memory is 8-byte aligned as a torch tensor's storage is.
+        let mut memory: Vec<u64> = bytemuck::cast_slice(&[1.0f32, 2.0, 3.0, 4.0]).to_vec();
+        let ptr = memory.as_mut_ptr().cast::<u8>();
+        let dropped = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+        struct Owner(std::sync::Arc<std::sync::atomic::AtomicBool>);
+        impl Drop for Owner {
+            fn drop(&mut self) {
+                self.0.store(true, std::sync::atomic::Ordering::SeqCst);
+            }
+        }
+        // SAFETY: `memory` outlives the buffer and is not touched while the buffer lives.
+        let buf = unsafe { HostBuffer::borrowed(ptr, 16, Box::new(Owner(dropped.clone()))) }.unwrap();
+        assert!(buf.is_borrowed());
+        let mut t = Tensor::from_host_buffer(DType::F32, &[4], buf).unwrap();
+        t.as_mut_slice::<f32>().unwrap()[2] = 30.0;
+        let copy = t.clone();
+        t.as_mut_slice::<f32>().unwrap()[0] = 10.0;
+        assert_eq!(copy.to_vec::<f32>().unwrap(), vec![1.0, 2.0, 30.0, 4.0], "a clone is a copy");
+        assert!(!copy.clone().into_host_buffer().is_borrowed());
+        assert_eq!(
+            t.storage(),
+            &Storage::Host(HostBuffer::from_bytes(bytemuck::cast_slice(&[10.0f32, 2.0, 30.0, 4.0])))
+        );
+        assert!(!dropped.load(std::sync::atomic::Ordering::SeqCst));
+        drop(t);
+        assert!(dropped.load(std::sync::atomic::Ordering::SeqCst), "the owner goes with the buffer");
+        assert_eq!(bytemuck::cast_slice::<u64, f32>(&memory), &[10.0, 2.0, 30.0, 4.0], "writes landed in the memory");
+        // Misaligned memory is refused (typed views need 8 bytes), empty memory is owned.
+        // SAFETY: refused before any use.
+        assert!(unsafe { HostBuffer::borrowed(ptr.wrapping_add(4), 8, Box::new(())) }.is_none());
+        // SAFETY: no bytes.
+        let empty = unsafe { HostBuffer::borrowed(std::ptr::null_mut(), 0, Box::new(())) }.unwrap();
+        assert!(empty.is_empty() && !empty.is_borrowed());
     }
 
     #[test]

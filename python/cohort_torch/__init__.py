@@ -14,9 +14,12 @@ trampoline), so the group torch builds around it is a real C++ ``ProcessGroup``:
 native extension ``cohort_torch._cohort``, which runs cohort's TCP backend (Rust) on its own
 threads; the GIL is released while a call copies its inputs and while ``wait()`` blocks.
 
-Tensors are used through ``data_ptr()``: contiguous CPU tensors are read when the call is made
-and written when the collective ends. A non-contiguous tensor goes through a contiguous copy,
-written back when the work ends.
+Tensors are used through ``data_ptr()``, in place: an allreduce, broadcast, reduce (on its root)
+or recv works directly in the tensor's memory, with no copy in or out, and the inputs of the
+other collectives are read from it (the extension holds a reference to each tensor while it
+uses it). A non-contiguous tensor, one whose memory is not 8-byte aligned, or tensors that
+overlap within one call go through a copy, written back when the work ends. As with every
+backend, a tensor must not be read or written while a collective on it is in flight: wait first.
 
 Errors
 ------
@@ -89,9 +92,10 @@ def _check(t: torch.Tensor) -> None:
         raise TypeError(f"cohort: dtype {t.dtype} is not supported (supported: {supported})")
 
 
-def _buf(t: torch.Tensor) -> tuple[int, int, str, list[int]]:
-    """The descriptor the extension reads: a contiguous CPU tensor's memory."""
-    return (t.data_ptr(), t.numel() * t.element_size(), _DTYPES[t.dtype], list(t.shape))
+def _buf(t: torch.Tensor) -> tuple[int, int, str, list[int], torch.Tensor]:
+    """The descriptor the extension reads: a contiguous CPU tensor's memory, and the tensor,
+    which the extension holds while it uses that memory in place."""
+    return (t.data_ptr(), t.numel() * t.element_size(), _DTYPES[t.dtype], list(t.shape), t)
 
 
 def _out(t: torch.Tensor) -> tuple[int, int]:
@@ -255,6 +259,11 @@ class CohortBackend(_C10dBackend):
 
     def _get_sequence_number_for_group(self) -> int:
         return self._group.seq()
+
+    def bytes_copied(self) -> int:
+        """Bytes copied so far between this group's tensors and cohort's buffers, in and out:
+        collectives that ran in the tensors' own memory add nothing."""
+        return self._group.bytes_copied()
 
     def flight_recorder_json(self) -> str:
         """The flight recorder as JSON (PyTorch's flight-recorder schema)."""

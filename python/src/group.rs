@@ -1,12 +1,14 @@
 //! [`Group`]: one cohort TCP process group seen from Python, and [`PendingWork`], the handle
 //! each of its collectives returns.
 //!
-//! Python passes tensors as plain descriptors, `(data_ptr, nbytes, dtype, shape)`: the Python
-//! layer checks that they are contiguous CPU tensors and keeps them alive until the work has
-//! ended. Inputs are read when the call is made; outputs are written by the runtime once the
-//! collective has ended, before the work counts as done for Python.
+//! Python passes tensors as descriptors, `(data_ptr, nbytes, dtype, shape, tensor)`: the Python
+//! layer checks that they are contiguous CPU tensors. Each is used in place where it can be
+//! ([`borrowable`]): a core [`HostBuffer::borrowed`] over the tensor's memory, holding a reference
+//! to the tensor, so an allreduce reduces straight into it. Outputs the runtime returns in other
+//! buffers are copied into their tensors once the collective has ended, before the work counts
+//! as done for Python.
 
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::time::Duration;
 
@@ -19,8 +21,8 @@ use pyo3::prelude::*;
 use crate::CohortError;
 use crate::store::PyStore;
 
-/// A tensor as Python describes it: `(data_ptr, nbytes, dtype name, shape)`.
-type Buf = (usize, usize, String, Vec<usize>);
+/// A tensor as Python describes it: `(data_ptr, nbytes, dtype name, shape, the tensor)`.
+type Buf = (usize, usize, String, Vec<usize>, Py<PyAny>);
 
 /// Where an output's bytes go: `(data_ptr, nbytes)`.
 type Out = (usize, usize);
@@ -35,6 +37,8 @@ pub(crate) struct Group {
     store_closed: Arc<AtomicBool>,
     /// Host buffers of finished works, reused for the inputs of later ones.
     pool: Arc<BufferPool>,
+    /// Bytes copied between Python's tensors and cohort's buffers (in and out).
+    copied: Arc<AtomicU64>,
 }
 
 #[pymethods]
@@ -71,6 +75,7 @@ impl Group {
             error: Arc::new(Mutex::new(None)),
             store_closed,
             pool: Arc::new(BufferPool::default()),
+            copied: Arc::new(AtomicU64::new(0)),
         })
     }
 
@@ -92,6 +97,12 @@ impl Group {
     /// The first failure of this group, as raised by later calls; `None` while it is healthy.
     fn error(&self) -> Option<String> {
         lock(&self.error).clone()
+    }
+
+    /// Bytes copied so far between Python's tensors and cohort's buffers, in and out: zero for
+    /// collectives that ran in place.
+    fn bytes_copied(&self) -> u64 {
+        self.copied.load(Ordering::Relaxed)
     }
 
     /// The flight recorder as JSON (PyTorch's flight-recorder schema).
@@ -138,8 +149,9 @@ impl Group {
     /// Only the root's tensors are written: elsewhere they are left as they were.
     fn reduce(&self, py: Python<'_>, tensors: Vec<Buf>, root: u32, op: &str, factor: f64) -> PyResult<PendingWork> {
         let op = reduce_op(op, factor)?;
-        let outs = if root == self.pg.rank().0 { outs_of(&tensors) } else { Vec::new() };
-        self.launch(py, outs, move |pg, t| pg.reduce(t, root, op), tensors)
+        // Elsewhere the reduction runs in a copy: torch leaves non-root tensors as they were.
+        let (outs, in_place) = if root == self.pg.rank().0 { (outs_of(&tensors), true) } else { (Vec::new(), false) };
+        self.launch_with(py, outs, move |pg, t| pg.reduce(t, root, op), tensors, in_place)
     }
 
     /// `outputs`: one per rank.
@@ -290,12 +302,33 @@ impl Group {
     where
         F: FnOnce(&ProcessGroup, Vec<Tensor>) -> Result<Work, SubmitError> + Send,
     {
+        self.launch_with(py, outs, f, bufs, true)
+    }
+
+    /// [`Group::launch`]; `in_place: false` gives the collective copies of every tensor.
+    fn launch_with<F>(
+        &self,
+        py: Python<'_>,
+        outs: Vec<Out>,
+        f: F,
+        bufs: Vec<Buf>,
+        in_place: bool,
+    ) -> PyResult<PendingWork>
+    where
+        F: FnOnce(&ProcessGroup, Vec<Tensor>) -> Result<Work, SubmitError> + Send,
+    {
         self.check()?;
         let pg = self.pg.clone();
         let rank = pg.rank();
         let pool = self.pool.clone();
+        let copied = self.copied.clone();
+        let borrow = if in_place { borrowable(&bufs, &outs) } else { vec![false; bufs.len()] };
         let submitted = py.detach(move || -> Result<Work, String> {
-            let tensors = bufs.into_iter().map(|b| read(&pool, b)).collect::<Result<Vec<_>, _>>()?;
+            let tensors = bufs
+                .into_iter()
+                .zip(borrow)
+                .map(|(b, borrow)| read(&pool, &copied, b, borrow))
+                .collect::<Result<Vec<_>, _>>()?;
             f(&pg, tensors).map_err(|e| e.to_string())
         });
         let work = submitted.map_err(|e| CohortError::new_err(format!("cohort rank {rank}: {e}")))?;
@@ -307,6 +340,7 @@ impl Group {
             group_error: self.error.clone(),
             pg: self.pg.clone(),
             pool: self.pool.clone(),
+            copied: self.copied.clone(),
         };
         if let Some(rt) = &self.runtime.0 {
             rt.spawn(task.run());
@@ -445,15 +479,16 @@ struct Completion {
     group_error: Arc<Mutex<Option<String>>>,
     pg: ProcessGroup,
     pool: Arc<BufferPool>,
+    copied: Arc<AtomicU64>,
 }
 
 impl Completion {
     async fn run(self) {
-        let Completion { work, outs, done, group_error, pg, pool } = self;
+        let Completion { work, outs, done, group_error, pg, pool, copied } = self;
         let rank = pg.rank();
         let outcome = match work.clone().await {
             Ok(tensors) => {
-                let written = write_outputs(&tensors, &outs)
+                let written = write_outputs(&tensors, &outs, &copied)
                     .map_err(|e| format!("cohort rank {rank}: {} (seq {}): {e}", work.op(), work.seq().0));
                 for t in tensors {
                     pool.put(t.into_host_buffer());
@@ -518,7 +553,7 @@ fn failure_message(rank: u32, e: &WorkError) -> String {
 }
 
 /// Copy each result tensor into its output; their sizes must agree.
-fn write_outputs(tensors: &[Tensor], outs: &[Out]) -> Result<(), String> {
+fn write_outputs(tensors: &[Tensor], outs: &[Out], copied: &AtomicU64) -> Result<(), String> {
     if tensors.len() < outs.len() {
         return Err(format!("returned {} tensors for {} outputs", tensors.len(), outs.len()));
     }
@@ -527,20 +562,37 @@ fn write_outputs(tensors: &[Tensor], outs: &[Out]) -> Result<(), String> {
         if bytes.len() != nbytes {
             return Err(format!("output {i} holds {nbytes} bytes but the result has {}", bytes.len()));
         }
-        if nbytes > 0 {
+        // A result that is the output's own memory (the collective ran in place) is there.
+        if nbytes > 0 && bytes.as_ptr() as usize != ptr {
             // SAFETY: Python handed `(ptr, nbytes)` as the storage of a contiguous CPU tensor
             // it keeps alive until this work is done (the callback holds it), and nothing
             // else writes it meanwhile.
             unsafe { std::ptr::copy_nonoverlapping(bytes.as_ptr(), ptr as *mut u8, nbytes) };
+            copied.fetch_add(nbytes as u64, Ordering::Relaxed);
         }
     }
     Ok(())
 }
 
-/// A tensor holding a copy of the bytes Python described, in a buffer from `pool` when it has
-/// one of that size.
-fn read(pool: &BufferPool, (ptr, nbytes, dtype, shape): Buf) -> Result<Tensor, String> {
+/// A tensor over the bytes Python described: the tensor's memory itself when `borrow` (and it
+/// is 8-byte aligned), else a copy, in a buffer from `pool` when it has one of that size.
+fn read(
+    pool: &BufferPool,
+    copied: &AtomicU64,
+    (ptr, nbytes, dtype, shape, tensor): Buf,
+    borrow: bool,
+) -> Result<Tensor, String> {
     let dtype = DType::parse(&dtype).ok_or_else(|| format!("cohort does not support dtype {dtype}"))?;
+    if borrow && nbytes > 0 {
+        // SAFETY: Python handed `(ptr, nbytes)` as the storage of the contiguous CPU tensor
+        // `tensor`, which the buffer holds a reference to, so the memory lives as long as the
+        // buffer. `borrowable` checked that no other tensor or output of this call overlaps it,
+        // and the Python layer's contract (documented there, as for every torch backend) is
+        // that the caller leaves a tensor alone while a collective on it is in flight.
+        if let Some(buffer) = unsafe { HostBuffer::borrowed(ptr as *mut u8, nbytes, Box::new(tensor)) } {
+            return Tensor::from_host_buffer(dtype, &shape, buffer).map_err(|e| e.to_string());
+        }
+    }
     let bytes: &[u8] = if nbytes == 0 {
         &[]
     } else {
@@ -548,6 +600,7 @@ fn read(pool: &BufferPool, (ptr, nbytes, dtype, shape): Buf) -> Result<Tensor, S
         // and holds the GIL-free call until this copy returns.
         unsafe { std::slice::from_raw_parts(ptr as *const u8, nbytes) }
     };
+    copied.fetch_add(nbytes as u64, Ordering::Relaxed);
     match pool.take(nbytes) {
         Some(mut buffer) => {
             buffer.as_bytes_mut().copy_from_slice(bytes);
@@ -555,6 +608,42 @@ fn read(pool: &BufferPool, (ptr, nbytes, dtype, shape): Buf) -> Result<Tensor, S
         }
         None => Tensor::from_bytes(dtype, &shape, bytes).map_err(|e| e.to_string()),
     }
+}
+
+/// Which of a call's tensors may be used in place: those that overlap no other tensor of the
+/// call and no output other than themselves. An output with exactly a tensor's memory is that
+/// tensor: an in-place collective's result is the buffer itself (not copied again), and an
+/// input of another collective is consumed when the collective starts, before any output is
+/// written. Overlapping ones are copied, so two buffers never alias.
+fn borrowable(bufs: &[Buf], outs: &[Out]) -> Vec<bool> {
+    let mut ok = vec![true; bufs.len()];
+    // (start, end, Some(buf index) or None for an output), by start.
+    let mut spans: Vec<(usize, usize, Option<usize>)> = bufs
+        .iter()
+        .enumerate()
+        .filter(|(_, b)| b.1 > 0)
+        .map(|(i, b)| (b.0, b.0.saturating_add(b.1), Some(i)))
+        .collect();
+    let own: std::collections::HashSet<Out> = bufs.iter().map(|b| (b.0, b.1)).collect();
+    spans.extend(outs.iter().filter(|o| o.1 > 0 && !own.contains(o)).map(|o| (o.0, o.0.saturating_add(o.1), None)));
+    spans.sort_unstable();
+    // Each span against the furthest end seen before it, and the span that reached it: a span
+    // overlapping any earlier one overlaps that one too (or is overlapped by it at the same
+    // start), so every member of an overlapping pair is marked.
+    let mut reach: Option<(usize, Option<usize>)> = None;
+    for &(start, end, who) in &spans {
+        if let Some((far, far_who)) = reach
+            && start < far
+        {
+            for w in [who, far_who].into_iter().flatten() {
+                ok[w] = false;
+            }
+        }
+        if reach.is_none_or(|(far, _)| end > far) {
+            reach = Some((end, who));
+        }
+    }
+    ok
 }
 
 /// Host buffers of finished works, by length, for the inputs of later works of that size: a
@@ -584,7 +673,8 @@ impl BufferPool {
 
     fn put(&self, buffer: HostBuffer) {
         let len = buffer.len();
-        if len < Self::MIN_BYTES {
+        // A borrowed buffer is a Python tensor's memory: never reuse it.
+        if len < Self::MIN_BYTES || buffer.is_borrowed() {
             return;
         }
         let mut free = lock(&self.free);

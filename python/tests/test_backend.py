@@ -99,6 +99,22 @@ def test_what_gloo_lacks_gives_the_expected_results(tmp_path: Path, world: int) 
     assert ours[0]["anysource"].tolist() == [[r, r * 10] for r in range(1, world)]
 
 
+@pytest.mark.parametrize("world", [2, 3])
+def test_contiguous_tensors_are_used_in_place_and_the_rest_through_copies(tmp_path: Path, world: int) -> None:
+    ours = run_ok("in_place", world, "cohort", tmp_path)
+    n_bytes = (1 << 15) * 4
+    for rank in range(world):
+        out = ours[rank]
+        for key, want in out.items():
+            if key.endswith("/expect"):
+                assert_same(out[key.removesuffix("/expect")], want, f"rank {rank} {key}")
+        assert int(out["allreduce/copied"]) == 0
+        assert int(out["broadcast/copied"]) == 0
+        assert int(out["misaligned/copied"]) == 2 * n_bytes, "copied in and out"
+        assert int(out["twice/copied"]) == 4 * n_bytes, "both copies, in and out"
+        assert int(out["allgather/copied"]) == world * n_bytes, "only the output, once"
+
+
 def test_ddp_trains_to_the_same_parameters_as_gloo(tmp_path: Path) -> None:
     ours = run_ok("ddp", 2, "cohort", tmp_path)
     gloo = run_ok("ddp", 2, "gloo", tmp_path)

@@ -13,6 +13,7 @@ import os
 import signal
 import sys
 import time
+from typing import Callable
 
 import torch
 import torch.distributed as dist
@@ -230,6 +231,57 @@ def cohort_only(out: dict, rank: int, world: int) -> None:
     out["is_completed"] = torch.tensor(work.get_future().done())
 
 
+def in_place(out: dict, rank: int, world: int) -> None:
+    """Which tensors are used in place (no copy in or out) and which go through a copy, with
+    the results right either way. The expected values are computed here."""
+    backend = dist.group.WORLD._get_backend(torch.device("cpu"))
+    n = 1 << 15
+    total = sum(values(r, n, torch.float32) for r in range(world))
+
+    def copied(f: Callable[[], None]) -> torch.Tensor:
+        before = backend.bytes_copied()
+        f()
+        return torch.tensor(backend.bytes_copied() - before)
+
+    # Contiguous, aligned: allreduce, broadcast and recv work in the tensor itself.
+    t = values(rank, n, torch.float32)
+    out["allreduce/copied"] = copied(lambda: dist.all_reduce(t))
+    out["allreduce"], out["allreduce/expect"] = t, total
+    b = values(rank, n, torch.float32, 1)
+    out["broadcast/copied"] = copied(lambda: dist.broadcast(b, 0))
+    out["broadcast"], out["broadcast/expect"] = b, values(0, n, torch.float32, 1)
+
+    # A tensor 4 bytes past an 8-byte boundary is copied in and out.
+    base = torch.zeros(n + 1, dtype=torch.float32)
+    m = base[1:]
+    m.copy_(values(rank, n, torch.float32))
+    out["misaligned/copied"] = copied(lambda: dist.all_reduce(m))
+    out["misaligned"], out["misaligned/expect"] = m, total
+
+    # The same tensor twice in one call: both are copies, so nothing aliases.
+    d = values(rank, n, torch.float32)
+    out["twice/copied"] = copied(lambda: backend.allreduce([d, d]).wait())
+    out["twice"], out["twice/expect"] = d, 2 * total
+
+    # all_gather_into_tensor: the input is read in place, the output written once.
+    o = torch.zeros(n * world, dtype=torch.float32)
+    out["allgather/copied"] = copied(lambda: dist.all_gather_into_tensor(o, values(rank, n, torch.float32)))
+    out["allgather"] = o
+    out["allgather/expect"] = torch.cat([values(r, n, torch.float32) for r in range(world)])
+    # ... and with the input a slice of the output (as FSDP does), through a copy.
+    o2 = torch.zeros(n * world, dtype=torch.float32)
+    piece = o2[rank * n:(rank + 1) * n]
+    piece.copy_(values(rank, n, torch.float32, 2))
+    dist.all_gather_into_tensor(o2, piece)
+    out["allgather_slice"] = o2
+    out["allgather_slice/expect"] = torch.cat([values(r, n, torch.float32, 2) for r in range(world)])
+
+    # reduce leaves non-root tensors as they were (the reduction runs in a copy there).
+    r = values(rank, n, torch.float32)
+    dist.reduce(r, 0)
+    out["reduce"], out["reduce/expect"] = r, total if rank == 0 else values(rank, n, torch.float32)
+
+
 def ddp(out: dict, rank: int, world: int) -> None:
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.BatchNorm1d(32), torch.nn.ReLU(),
@@ -302,8 +354,8 @@ def hang(out: dict, rank: int, world: int) -> None:
     os._exit(0 if rank == world - 1 else 4)
 
 
-CASES = {"collectives": collectives, "cohort_only": cohort_only, "ddp": ddp, "killed": killed, "lost": lost,
-         "hang": hang}
+CASES = {"collectives": collectives, "cohort_only": cohort_only, "in_place": in_place, "ddp": ddp,
+         "killed": killed, "lost": lost, "hang": hang}
 
 
 def main() -> None:

@@ -4,7 +4,7 @@
 
 use cohort_core::reduce::{ReduceOp, Reduction};
 use cohort_core::schedule::{Executor, PlanCache, PlanOptions, ScheduleOp};
-use cohort_core::tensor::{DType, FlatSlot, HostBuffer, Tensor};
+use cohort_core::tensor::{DType, FlatSlot, HostBuffer, Tensor, numel_of};
 use cohort_core::work::{Rank, SeqNo};
 
 /// What the user handed to a collective.
@@ -358,6 +358,13 @@ impl CollectiveRun {
                     }
                 }
                 Ok(tensors)
+            }
+            Finish::Split { dtype, mut shapes }
+                if shapes.len() == 1 && output.len() == numel_of(&shapes[0]).unwrap_or(0) * dtype.size() =>
+            {
+                // One output that fills the buffer: it is the tensor, no copy.
+                let shape = shapes.pop().unwrap_or_default();
+                Ok(vec![Tensor::from_host_buffer(dtype, &shape, output).map_err(|e| e.to_string())?])
             }
             Finish::Split { dtype, shapes } => {
                 let mut out = Vec::with_capacity(shapes.len());
