@@ -2,7 +2,8 @@
 //! random delivery orders give what a naive reference computes; allreduce is bit-identical on
 //! every rank; a duplicated, resized or lost chunk ends in a clear error or a stuck rank that
 //! names its peer — never a panic, never a wrong answer. Chunks are received staged or, in half
-//! the cases, in place where the executor allows it.
+//! the cases, in place where the executor allows it; in half the cases the output buffer starts
+//! full of garbage.
 
 use cohort_core::schedule::harness::{Harness, RunOutcome, SplitMix64, Tamper};
 use cohort_core::schedule::{AllreduceAlgorithm, Executor, Plan, PlanOptions, ScheduleError, ScheduleOp};
@@ -45,7 +46,17 @@ impl Case {
             .plans()
             .into_iter()
             .zip(inputs)
-            .map(|(p, d)| Executor::new(p, reduction, HostBuffer::from_bytes(d)).expect("valid executor"))
+            .map(|(p, d)| {
+                let data = HostBuffer::from_bytes(d);
+                // Half the cases write into an output that holds garbage (a caller's tensor, as
+                // the torch backend passes): every plan must write every output byte.
+                if self.seed & 2 == 2 {
+                    let garbage = HostBuffer::from_bytes(&vec![0xA5; p.output_len()]);
+                    Executor::with_output(p, reduction, data, garbage).expect("valid executor")
+                } else {
+                    Executor::new(p, reduction, data).expect("valid executor")
+                }
+            })
             .collect();
         // Half the cases receive in place where the executors allow it, as the TCP reader does
         // for large chunks.

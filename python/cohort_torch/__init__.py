@@ -14,10 +14,11 @@ trampoline), so the group torch builds around it is a real C++ ``ProcessGroup``:
 native extension ``cohort_torch._cohort``, which runs cohort's TCP backend (Rust) on its own
 threads; the GIL is released while a call copies its inputs and while ``wait()`` blocks.
 
-Tensors are used through ``data_ptr()``, in place: an allreduce, broadcast, reduce (on its root)
-or recv works directly in the tensor's memory, with no copy in or out, and the inputs of the
-other collectives are read from it (the extension holds a reference to each tensor while it
-uses it). A non-contiguous tensor, one whose memory is not 8-byte aligned, or tensors that
+Tensors are used through ``data_ptr()``, in place: an allreduce, broadcast, reduce (on its root),
+recv, all_gather_into_tensor, reduce_scatter_tensor, all_to_all_single or scatter works directly
+in the tensors' memory, with no copy in or out, and every input is read from it (the extension
+holds a reference to each tensor while it uses it). Outputs given as lists are copied once, when
+the work ends. A non-contiguous tensor, one whose memory is not 8-byte aligned, or tensors that
 overlap within one call go through a copy, written back when the work ends. As with every
 backend, a tensor must not be read or written while a collective on it is in flight: wait first.
 
@@ -344,7 +345,7 @@ class CohortBackend(_C10dBackend):
     def all_gather_single(self, output: torch.Tensor, input: torch.Tensor, opts: Any = None) -> _Work:
         ts = _Tensors()
         o = ts.output(output)
-        p = self._group.allgather_into_tensor(_buf(ts.input(input)), _out(o))
+        p = self._group.allgather_into_tensor(_buf(ts.input(input)), _buf(o))
         return self._track(_Work([p], [output], ts))
 
     _allgather_base = all_gather_single
@@ -353,7 +354,7 @@ class CohortBackend(_C10dBackend):
     def all_gather_single_coalesced(self, outputs: list[torch.Tensor], inputs: list[torch.Tensor],
                                     opts: Any = None) -> _Work:
         ts = _Tensors()
-        ps = [self._group.allgather_into_tensor(_buf(ts.input(i)), _out(ts.output(o)))
+        ps = [self._group.allgather_into_tensor(_buf(ts.input(i)), _buf(ts.output(o)))
               for o, i in zip(outputs, inputs, strict=True)]
         return self._track(_Work(ps, list(outputs), ts))
 
@@ -385,7 +386,7 @@ class CohortBackend(_C10dBackend):
         ts = _Tensors()
         name, factor = _reduce_op(opts)
         out = ts.output(output)
-        p = self._group.reduce_scatter_tensor(_buf(ts.input(input)), _out(out), name, factor)
+        p = self._group.reduce_scatter_tensor(_buf(ts.input(input)), _buf(out), name, factor)
         return self._track(_Work([p], [output], ts))
 
     _reduce_scatter_base = reduce_scatter_single
@@ -395,7 +396,7 @@ class CohortBackend(_C10dBackend):
                                         opts: Any) -> _Work:
         ts = _Tensors()
         name, factor = _reduce_op(opts)
-        ps = [self._group.reduce_scatter_tensor(_buf(ts.input(i)), _out(ts.output(o)), name, factor)
+        ps = [self._group.reduce_scatter_tensor(_buf(ts.input(i)), _buf(ts.output(o)), name, factor)
               for o, i in zip(outputs, inputs, strict=True)]
         return self._track(_Work(ps, list(outputs), ts))
 

@@ -164,8 +164,18 @@ impl Group {
         self.launch(py, outputs, move |pg, t| pg.allgather_coalesced(t), inputs)
     }
 
-    fn allgather_into_tensor(&self, py: Python<'_>, input: Buf, output: Out) -> PyResult<PendingWork> {
-        self.launch(py, vec![output], move |pg, mut t| pg.allgather_into_tensor(t.remove(0)), vec![input])
+    /// Gathers into `output` itself (in place where it can).
+    fn allgather_into_tensor(&self, py: Python<'_>, input: Buf, output: Buf) -> PyResult<PendingWork> {
+        let outs = outs_of(std::slice::from_ref(&output));
+        self.launch(
+            py,
+            outs,
+            move |pg, mut t| {
+                let input = t.remove(1);
+                pg.allgather_base(t.remove(0), input)
+            },
+            vec![output, input],
+        )
     }
 
     /// `outputs`: one per rank on the root, empty elsewhere.
@@ -202,16 +212,26 @@ impl Group {
         self.launch(py, vec![output], move |pg, t| pg.reduce_scatter(t, op), inputs)
     }
 
+    /// Reduces into `output` itself (in place where it can).
     fn reduce_scatter_tensor(
         &self,
         py: Python<'_>,
         input: Buf,
-        output: Out,
+        output: Buf,
         op: &str,
         factor: f64,
     ) -> PyResult<PendingWork> {
         let op = reduce_op(op, factor)?;
-        self.launch(py, vec![output], move |pg, mut t| pg.reduce_scatter_tensor(t.remove(0), op), vec![input])
+        let outs = outs_of(std::slice::from_ref(&output));
+        self.launch(
+            py,
+            outs,
+            move |pg, mut t| {
+                let input = t.remove(1);
+                pg.reduce_scatter_base(t.remove(0), input, op)
+            },
+            vec![output, input],
+        )
     }
 
     /// `outputs` and `inputs`: one per rank.

@@ -263,11 +263,20 @@ def in_place(out: dict, rank: int, world: int) -> None:
     out["twice/copied"] = copied(lambda: backend.allreduce([d, d]).wait())
     out["twice"], out["twice/expect"] = d, 2 * total
 
-    # all_gather_into_tensor: the input is read in place, the output written once.
-    o = torch.zeros(n * world, dtype=torch.float32)
+    # Single outputs are filled in place too (outputs start as garbage: NaN).
+    o = torch.full((world, n), float("nan"))
     out["allgather/copied"] = copied(lambda: dist.all_gather_into_tensor(o, values(rank, n, torch.float32)))
     out["allgather"] = o
-    out["allgather/expect"] = torch.cat([values(r, n, torch.float32) for r in range(world)])
+    out["allgather/expect"] = torch.stack([values(r, n, torch.float32) for r in range(world)])
+    rs = torch.full((n,), float("nan"))
+    out["reduce_scatter/copied"] = copied(lambda: dist.reduce_scatter_tensor(rs, values(rank, n * world, torch.float32)))
+    out["reduce_scatter"] = rs
+    out["reduce_scatter/expect"] = sum(values(q, n * world, torch.float32) for q in range(world))[rank * n:(rank + 1) * n]
+    a2a = torch.full((n * world,), float("nan"))
+    out["all_to_all/copied"] = copied(lambda: dist.all_to_all_single(a2a, values(rank, n * world, torch.float32)))
+    out["all_to_all"] = a2a
+    out["all_to_all/expect"] = torch.cat([values(q, n * world, torch.float32)[rank * n:(rank + 1) * n]
+                                          for q in range(world)])
     # ... and with the input a slice of the output (as FSDP does), through a copy.
     o2 = torch.zeros(n * world, dtype=torch.float32)
     piece = o2[rank * n:(rank + 1) * n]

@@ -98,6 +98,20 @@ pub fn run_all(pg: &ProcessGroup) -> Result<(), String> {
             let out = ok(&what, ok(&what, pg.allgather_into_tensor(input(dtype, me, n)))?.result())?;
             let want: Vec<f64> = (0..world).flat_map(|r| values(&input(dtype, r, n))).collect();
             expect(&what, &out[0], &want)?;
+            // Into the caller's output (world × n, filled with ones first: every element must be
+            // written), which comes back with its shape.
+            let what = format!("allgather_base {dtype} n={n}");
+            let given = make(dtype, &vec![1.0; w * n]).reshape(&[w, n]).map_err(|e| e.to_string())?;
+            let out = ok(&what, ok(&what, pg.allgather_base(given, input(dtype, me, n)))?.result())?;
+            if out[0].shape() != [w, n] {
+                return Err(format!("{what}: shape {:?}", out[0].shape()));
+            }
+            expect(&what, &out[0], &want)?;
+            let what = format!("allgather_base {dtype} n={n} with a short output");
+            match pg.allgather_base(make(dtype, &vec![0.0; n]), input(dtype, me, n)).map(|w| w.result()) {
+                Err(e) if e.to_string().contains("expected world size") => {}
+                other => return Err(format!("{what}: expected a refusal, got {other:?}")),
+            }
 
             let what = format!("gather {dtype} n={n}");
             let out = ok(&what, ok(&what, pg.gather(input(dtype, me, n), 0))?.result())?;
@@ -116,6 +130,13 @@ pub fn run_all(pg: &ProcessGroup) -> Result<(), String> {
                 let full = input(dtype, me, n * w);
                 let out = ok(&what, ok(&what, pg.reduce_scatter_tensor(full, ReduceOp::Sum))?.result())?;
                 let all = reduce_ref(ReduceOp::Sum, dtype, world, n * w);
+                expect(&what, &out[0], &all[me as usize * n..(me as usize + 1) * n])?;
+                let what = format!("reduce_scatter_base {dtype} n={n}");
+                let given = make(dtype, &vec![1.0; n]);
+                let out = ok(
+                    &what,
+                    ok(&what, pg.reduce_scatter_base(given, input(dtype, me, n * w), ReduceOp::Sum))?.result(),
+                )?;
                 expect(&what, &out[0], &all[me as usize * n..(me as usize + 1) * n])?;
             }
 

@@ -101,6 +101,28 @@ impl Executor {
         data: HostBuffer,
     ) -> Result<Executor, ScheduleError> {
         let plan = plan.into();
+        let output = HostBuffer::zeroed(plan.output_len());
+        Executor::with_output(plan, reduction, data, output)
+    }
+
+    /// [`Executor::new`] writing into `output` ([`Plan::output_len`] bytes, refused otherwise)
+    /// instead of a buffer of its own: a caller's output tensor, filled in place. Every plan
+    /// writes every byte of its output, so what `output` held before does not matter.
+    pub fn with_output(
+        plan: impl Into<Arc<Plan>>,
+        reduction: Option<Reduction>,
+        data: HostBuffer,
+        output: HostBuffer,
+    ) -> Result<Executor, ScheduleError> {
+        let plan = plan.into();
+        if output.len() != plan.output_len() {
+            return Err(ScheduleError::BufferLength {
+                op: plan.op_name(),
+                buf: BufId::Output,
+                expected: plan.output_len(),
+                actual: output.len(),
+            });
+        }
         check_reduction(&plan, reduction.as_ref())?;
         if data.len() != plan.data_len() {
             return Err(ScheduleError::BufferLength {
@@ -112,7 +134,6 @@ impl Executor {
         }
         let n = plan.actions().len();
         let acts = (0..n).map(|i| ActState { unmet: plan.deps(i).len() as u32, done: false, arrived: false }).collect();
-        let output = HostBuffer::zeroed(plan.output_len());
         let mut exec = Executor {
             plan,
             reduction,

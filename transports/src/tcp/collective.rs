@@ -27,6 +27,8 @@ pub(crate) enum Request {
     Allgather {
         input: Tensor,
         into_tensor: bool,
+        /// The caller's output, written in place (`allgather_base`).
+        out: Option<Tensor>,
     },
     AllgatherCoalesced {
         inputs: Vec<Tensor>,
@@ -44,6 +46,8 @@ pub(crate) enum Request {
         inputs: Vec<Tensor>,
         op: ReduceOp,
         tensor: bool,
+        /// The caller's output, written in place (`reduce_scatter_base`).
+        out: Option<Tensor>,
     },
     Alltoall {
         outputs: Vec<Tensor>,
@@ -73,8 +77,8 @@ impl Request {
     pub(crate) fn reduce(tensors: Vec<Tensor>, root: Rank, op: ReduceOp) -> Self {
         Request::Reduce { tensors, root, op }
     }
-    pub(crate) fn allgather(input: Tensor, into_tensor: bool) -> Self {
-        Request::Allgather { input, into_tensor }
+    pub(crate) fn allgather(input: Tensor, into_tensor: bool, out: Option<Tensor>) -> Self {
+        Request::Allgather { input, into_tensor, out }
     }
     pub(crate) fn allgather_coalesced(inputs: Vec<Tensor>) -> Self {
         Request::AllgatherCoalesced { inputs }
@@ -85,8 +89,8 @@ impl Request {
     pub(crate) fn scatter(output: Tensor, inputs: Vec<Tensor>, root: Rank) -> Self {
         Request::Scatter { output, inputs, root }
     }
-    pub(crate) fn reduce_scatter(inputs: Vec<Tensor>, op: ReduceOp, tensor: bool) -> Self {
-        Request::ReduceScatter { inputs, op, tensor }
+    pub(crate) fn reduce_scatter(inputs: Vec<Tensor>, op: ReduceOp, tensor: bool, out: Option<Tensor>) -> Self {
+        Request::ReduceScatter { inputs, op, tensor, out }
     }
     pub(crate) fn alltoall(outputs: Vec<Tensor>, inputs: Vec<Tensor>) -> Self {
         Request::Alltoall { outputs, inputs }
@@ -169,6 +173,9 @@ impl CollectiveRun {
         let n = world as usize;
         let request = std::mem::replace(request, Request::Taken);
         let err = |e: &dyn std::fmt::Display| e.to_string();
+        // The caller's output tensor, where the op has one: the executor writes into its buffer,
+        // which becomes the result (no copy out), after its dtype and length are checked.
+        let mut given: Option<Tensor> = None;
         // (op, reduction, data, output length in bytes, element size, how to finish)
         let (op, reduction, data, out_len, elem, finish) = match request {
             Request::Allreduce { tensors, op, coalesced } => {
@@ -196,9 +203,14 @@ impl CollectiveRun {
                 let count = acc.len() / dtype.size();
                 (ScheduleOp::Reduce { count, root }, Some(red), acc, 0, dtype.size(), finish)
             }
-            Request::Allgather { input, into_tensor } => {
+            Request::Allgather { input, into_tensor, out } => {
                 let (dtype, numel) = (input.dtype(), input.numel());
-                let shapes = if into_tensor { vec![vec![numel * n]] } else { vec![input.shape().to_vec(); n] };
+                let shapes = match &out {
+                    Some(o) => vec![o.shape().to_vec()],
+                    None if into_tensor => vec![vec![numel * n]],
+                    None => vec![input.shape().to_vec(); n],
+                };
+                given = out;
                 let op = ScheduleOp::Allgather { counts: vec![numel; n] };
                 (
                     op,
@@ -241,9 +253,11 @@ impl CollectiveRun {
                 let data = if me == root { HostBuffer::from_bytes(&concat(&inputs)) } else { HostBuffer::default() };
                 let op = ScheduleOp::Scatter { counts: vec![output.numel(); n], root };
                 let finish = Finish::Split { dtype, shapes: vec![output.shape().to_vec()] };
-                (op, None, data, output.nbytes(), dtype.size(), finish)
+                let out_len = output.nbytes();
+                given = Some(output);
+                (op, None, data, out_len, dtype.size(), finish)
             }
-            Request::ReduceScatter { inputs, op, tensor } => {
+            Request::ReduceScatter { inputs, op, tensor, out } => {
                 let dtype = inputs.first().map(Tensor::dtype).ok_or("reduce_scatter: no tensors")?;
                 let red = Reduction::new(op, dtype).map_err(|e| err(&e))?;
                 let (counts, shape) = if tensor {
@@ -254,6 +268,8 @@ impl CollectiveRun {
                     (numels(&inputs), inputs[me.index()].shape().to_vec())
                 };
                 let out_len = counts[me.index()] * dtype.size();
+                let shape = out.as_ref().map_or(shape, |o| o.shape().to_vec());
+                given = out;
                 let finish = Finish::Split { dtype, shapes: vec![shape] };
                 (
                     ScheduleOp::ReduceScatter { counts },
@@ -283,7 +299,9 @@ impl CollectiveRun {
                 let op = ScheduleOp::alltoall_base(world, input.numel(), output.numel(), &input_splits, &output_splits)
                     .map_err(|e| err(&e))?;
                 let finish = Finish::Split { dtype, shapes: vec![output.shape().to_vec()] };
-                (op, None, HostBuffer::from_bytes(input.bytes()), output.nbytes(), dtype.size(), finish)
+                let out_len = output.nbytes();
+                given = Some(output);
+                (op, None, HostBuffer::from_bytes(input.bytes()), out_len, dtype.size(), finish)
             }
             Request::Barrier => (ScheduleOp::Barrier, None, HostBuffer::default(), 0, 1, Finish::Nothing),
             Request::Taken => return Err("collective started twice".into()),
@@ -296,7 +314,22 @@ impl CollectiveRun {
                 plan.output_len()
             ));
         }
-        let exec = Executor::new(plan, reduction, data).map_err(|e| err(&e))?;
+        let exec = match given {
+            Some(out) => {
+                let name = plan.op_name();
+                if out.nbytes() != out_len {
+                    return Err(format!("{name}: the output holds {} bytes, the result needs {out_len}", out.nbytes()));
+                }
+                if let Finish::Split { dtype, .. } = &finish
+                    && out.dtype() != *dtype
+                {
+                    return Err(format!("{name}: the output is {}, the input {dtype}", out.dtype()));
+                }
+                Executor::with_output(plan, reduction, data, out.into_host_buffer())
+            }
+            None => Executor::new(plan, reduction, data),
+        }
+        .map_err(|e| err(&e))?;
         Ok(CollectiveRun { seq, exec, finish })
     }
 

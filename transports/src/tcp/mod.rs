@@ -621,7 +621,7 @@ impl ProcessGroup {
         let out = TensorSpec::new(input.dtype(), input.shape());
         let c =
             Collective::new(OpType::Allgather).inputs(vec![out.clone()]).outputs(vec![out; self.world_size() as usize]);
-        self.collective(c, Request::allgather(input, false))
+        self.collective(c, Request::allgather(input, false, None))
     }
 
     /// `allgather_coalesced`: gather every rank's `inputs` (one dtype, any shapes) in one
@@ -641,7 +641,20 @@ impl ProcessGroup {
         let out = TensorSpec::new(input.dtype(), &[input.numel().saturating_mul(n)]);
         let c =
             Collective::new(OpType::AllgatherIntoTensor).inputs(specs(std::slice::from_ref(&input))).outputs(vec![out]);
-        self.collective(c, Request::allgather(input, true))
+        self.collective(c, Request::allgather(input, true, None))
+    }
+
+    /// [`ProcessGroup::allgather_into_tensor`] into `output` (`world_size × numel` elements of
+    /// the input's dtype, any shape), which the collective fills in place and returns: torch's
+    /// `_allgather_base`. A buffer borrowed from the caller ([`HostBuffer::borrowed`]) is
+    /// written directly, with no copy.
+    ///
+    /// [`HostBuffer::borrowed`]: cohort_core::tensor::HostBuffer::borrowed
+    pub fn allgather_base(&self, output: Tensor, input: Tensor) -> Result<Work, SubmitError> {
+        let c = Collective::new(OpType::AllgatherIntoTensor)
+            .inputs(specs(std::slice::from_ref(&input)))
+            .outputs(specs(std::slice::from_ref(&output)));
+        self.collective(c, Request::allgather(input, true, Some(output)))
     }
 
     /// Gather every rank's `input` to `root`: the root's result is one tensor per rank, other
@@ -668,7 +681,7 @@ impl ProcessGroup {
     pub fn reduce_scatter(&self, inputs: Vec<Tensor>, op: ReduceOp) -> Result<Work, SubmitError> {
         let out = inputs.first().map(|t| TensorSpec::new(t.dtype(), t.shape())).into_iter().collect();
         let c = Collective::new(OpType::ReduceScatter).inputs(specs(&inputs)).outputs(out);
-        self.collective(c, Request::reduce_scatter(inputs, op, false))
+        self.collective(c, Request::reduce_scatter(inputs, op, false, None))
     }
 
     /// Reduce one flat `input` of `world_size × k` elements; rank r receives elements
@@ -678,7 +691,17 @@ impl ProcessGroup {
         let out = TensorSpec::new(input.dtype(), &[input.numel() / n.max(1)]);
         let c =
             Collective::new(OpType::ReduceScatterTensor).inputs(specs(std::slice::from_ref(&input))).outputs(vec![out]);
-        self.collective(c, Request::reduce_scatter(vec![input], op, true))
+        self.collective(c, Request::reduce_scatter(vec![input], op, true, None))
+    }
+
+    /// [`ProcessGroup::reduce_scatter_tensor`] into `output` (`numel / world_size` elements of
+    /// the input's dtype, any shape), which the collective fills in place and returns: torch's
+    /// `_reduce_scatter_base`.
+    pub fn reduce_scatter_base(&self, output: Tensor, input: Tensor, op: ReduceOp) -> Result<Work, SubmitError> {
+        let c = Collective::new(OpType::ReduceScatterTensor)
+            .inputs(specs(std::slice::from_ref(&input)))
+            .outputs(specs(std::slice::from_ref(&output)));
+        self.collective(c, Request::reduce_scatter(vec![input], op, true, Some(output)))
     }
 
     /// Send `inputs[r]` to rank r and receive rank r's piece into `outputs[r]`.
