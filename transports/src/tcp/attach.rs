@@ -79,7 +79,7 @@ where
         .await
     });
     inner.writers.lock().unwrap_or_else(|p| p.into_inner()).push(writer);
-    inner.tasks.lock().unwrap_or_else(|p| p.into_inner()).push(reader);
+    inner.reader_tasks.lock().unwrap_or_else(|p| p.into_inner()).push(reader);
 }
 
 fn attach_fast(inner: &Arc<Inner>, peer: Rank, fast: socket::FastSocket, rx: link::LaneRx, shared: bool) {
@@ -96,7 +96,7 @@ fn attach_fast(inner: &Arc<Inner>, peer: Rank, fast: socket::FastSocket, rx: lin
     let writer = inner.runtime.spawn(link::run_writer(inner.rank, peer, w, rx, err_tx));
     let reader = inner.runtime.spawn(socket::run_reader(reader, Arc::downgrade(inner), peer));
     inner.writers.lock().unwrap_or_else(|p| p.into_inner()).push(writer);
-    inner.tasks.lock().unwrap_or_else(|p| p.into_inner()).push(reader);
+    inner.reader_tasks.lock().unwrap_or_else(|p| p.into_inner()).push(reader);
 }
 
 /// A task that feeds a writer's failure to the driver through the peer's close tally.

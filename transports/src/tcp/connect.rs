@@ -161,6 +161,7 @@ impl ProcessGroup {
                 store,
                 runtime: tokio::runtime::Handle::current(),
                 tasks: Mutex::new(Vec::new()),
+                reader_tasks: Mutex::new(Vec::new()),
                 writers: Mutex::new(Vec::new()),
                 connector: super::split::connector(net.clone()),
                 split_counts: super::split::SplitCounts::default(),

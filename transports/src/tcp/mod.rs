@@ -87,6 +87,9 @@ pub(crate) struct Inner {
     tasks: Mutex<Vec<JoinHandle<()>>>,
     /// The writer tasks: shutting down waits for them to flush and say goodbye.
     writers: Mutex<Vec<JoinHandle<()>>>,
+    /// The reader tasks: shutting down waits for them to hear each peer's goodbye (or end of
+    /// stream), so that no connection is dropped with the peer's frames still arriving.
+    reader_tasks: Mutex<Vec<JoinHandle<()>>>,
     /// Connects new groups (splits, merges) over the same network as this one.
     connector: split::Connector,
     /// How many splits over each rank set this rank made from this group.
@@ -536,29 +539,43 @@ impl ProcessGroup {
         if tokio::runtime::Handle::try_current().is_err() {
             let deadline = std::time::Instant::now() + SHUTDOWN_FLUSH;
             let writers = std::mem::take(&mut *self.inner.writers.lock().unwrap_or_else(|p| p.into_inner()));
-            while writers.iter().any(|w| !w.is_finished()) && std::time::Instant::now() < deadline {
+            let readers = std::mem::take(&mut *self.inner.reader_tasks.lock().unwrap_or_else(|p| p.into_inner()));
+            let busy = |tasks: &[JoinHandle<()>]| tasks.iter().any(|t| !t.is_finished());
+            while (busy(&writers) || busy(&readers)) && std::time::Instant::now() < deadline {
                 std::thread::sleep(tunables::SHUTDOWN_POLL);
             }
+            readers.iter().for_each(JoinHandle::abort);
         }
         self.stop_tasks();
     }
 
     /// [`ProcessGroup::shutdown`] for async code: waits (up to [`SHUTDOWN_FLUSH`]) for the
-    /// writer tasks to flush and say goodbye.
+    /// writer tasks to flush and say goodbye, and for the readers to hear the peers' goodbyes.
     pub async fn shutdown_async(&self) {
         self.abort_quietly();
         let writers = std::mem::take(&mut *self.inner.writers.lock().unwrap_or_else(|p| p.into_inner()));
+        let readers = std::mem::take(&mut *self.inner.reader_tasks.lock().unwrap_or_else(|p| p.into_inner()));
+        let aborts: Vec<_> = readers.iter().map(JoinHandle::abort_handle).collect();
         let _ = tokio::time::timeout(SHUTDOWN_FLUSH, async {
-            for w in writers {
-                let _ = w.await;
+            for t in writers.into_iter().chain(readers) {
+                let _ = t.await;
             }
         })
         .await;
+        aborts.iter().for_each(tokio::task::AbortHandle::abort);
         self.stop_tasks();
     }
 
+    /// Stop every task still running. Why readers are waited for first: a connection dropped
+    /// while the peer still sends (a heartbeat, its last frames) is reset, and a reset throws
+    /// away what the peer has not read yet, this rank's goodbye included, so a peer still in a
+    /// collective would see a reset where this rank left cleanly, and blame it. Each peer
+    /// answers a goodbye with its own, so the wait is a round trip.
     fn stop_tasks(&self) {
         for t in self.inner.tasks.lock().unwrap_or_else(|p| p.into_inner()).drain(..) {
+            t.abort();
+        }
+        for t in self.inner.reader_tasks.lock().unwrap_or_else(|p| p.into_inner()).drain(..) {
             t.abort();
         }
         self.inner.readers.write().unwrap_or_else(|p| p.into_inner()).clear();
