@@ -51,6 +51,11 @@ pub(crate) struct SimArgs {
     /// run; much cheaper to simulate at hundreds of ranks).
     #[arg(long)]
     lazy_connect: bool,
+    /// Ranks per simulated host (a node, as torchrun's --nproc-per-node): ranks of one host
+    /// talk over its loopback. A rank a crash or link fault names gets a host of its own. The
+    /// simulator's cost grows with hosts cubed: use tens per host at hundreds of ranks.
+    #[arg(long, default_value_t = 1, value_name = "N", value_parser = clap::value_parser!(u32).range(1..))]
+    ranks_per_host: u32,
     /// Write the whole report (outcomes, events, dumps, diagnosis) as JSON here.
     #[arg(long, value_name = "FILE")]
     json: Option<PathBuf>,
@@ -88,7 +93,8 @@ pub(crate) fn run(args: SimArgs) -> Result<i32, String> {
         .faults(plan)
         .timeout(Duration::from_millis(args.timeout_ms))
         .backend(args.backend)
-        .lazy_connect(args.lazy_connect);
+        .lazy_connect(args.lazy_connect)
+        .ranks_per_host(args.ranks_per_host);
     if let Some(seed) = args.seed {
         sim = sim.seed(seed);
     }

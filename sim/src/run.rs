@@ -35,9 +35,76 @@ pub const STORE_HOST: &str = "store";
 /// it, so it is fixed rather than read from the real clock.
 pub const WALL_CLOCK_START_NS: u64 = 1_767_225_600_000_000_000;
 
-/// The host name of a rank.
+/// The host name of a rank that has a host of its own.
 pub fn rank_host(rank: u32) -> String {
     format!("rank{rank}")
+}
+
+/// The host each rank runs on, with `per_host` ranks to a host (a node, as torchrun's
+/// `--nproc-per-node`): consecutive ranks share a host named `node{i}`, and a host of one rank
+/// is named [`rank_host`]. A rank that a crash or a link fault names gets a host of its own,
+/// since turmoil crashes and partitions hosts, and a host never straddles a cut (a
+/// [`Fault::Cut`]), so every fault strikes exactly the ranks it names.
+pub fn placement(world_size: u32, per_host: u32, plan: &FaultPlan) -> Vec<String> {
+    let mut alone = vec![per_host <= 1; world_size as usize];
+    let mut single = |r: u32| {
+        if let Some(a) = alone.get_mut(r as usize) {
+            *a = true;
+        }
+    };
+    for f in &plan.faults {
+        match *f {
+            Fault::Crash { rank, .. } | Fault::Isolate { rank, .. } => single(rank),
+            Fault::Partition { a, b, .. } | Fault::Hold { a, b, .. } | Fault::Latency { a, b, .. } => {
+                single(a);
+                single(b);
+            }
+            _ => {}
+        }
+    }
+    // Which side of every cut a rank is on: ranks share a host only when they agree.
+    let side = |r: u32| -> Vec<bool> {
+        plan.faults
+            .iter()
+            .filter_map(|f| match *f {
+                Fault::Cut { from, to, .. } => Some((from..to).contains(&r)),
+                _ => None,
+            })
+            .collect()
+    };
+    let mut hosts = Vec::with_capacity(world_size as usize);
+    let mut nodes = 0u32;
+    // (the current node, its side, how many ranks it holds)
+    let mut open: Option<(u32, Vec<bool>, u32)> = None;
+    for r in 0..world_size {
+        if alone[r as usize] {
+            hosts.push(rank_host(r));
+            continue;
+        }
+        let here = side(r);
+        match &mut open {
+            Some((node, s, n)) if *s == here && *n < per_host => {
+                *n += 1;
+                hosts.push(format!("node{node}"));
+            }
+            _ => {
+                hosts.push(format!("node{nodes}"));
+                open = Some((nodes, here, 1));
+                nodes += 1;
+            }
+        }
+    }
+    // A node that ended up with one rank is that rank's own host.
+    let mut count = std::collections::HashMap::new();
+    for h in &hosts {
+        *count.entry(h.clone()).or_insert(0u32) += 1;
+    }
+    for (r, h) in hosts.iter_mut().enumerate() {
+        if count[h.as_str()] == 1 {
+            *h = rank_host(r as u32);
+        }
+    }
+    hosts
 }
 
 mod nccl;
@@ -142,6 +209,7 @@ pub struct Simulation {
     trace_buffer_size: usize,
     backend: Backend,
     lazy_connect: bool,
+    ranks_per_host: u32,
 }
 
 impl Simulation {
@@ -167,6 +235,7 @@ impl Simulation {
             // turn it on (`lazy_connect`): a mesh costs the simulated network a link per host
             // pair on every step, so the mesh, not the job, would set their cost.
             lazy_connect: false,
+            ranks_per_host: 1,
         }
     }
 
@@ -227,6 +296,16 @@ impl Simulation {
     /// `TcpOptions::lazy_connect`).
     pub fn lazy_connect(mut self, lazy: bool) -> Simulation {
         self.lazy_connect = lazy;
+        self
+    }
+
+    /// How many ranks share a simulated host (default 1), as torchrun's `--nproc-per-node`:
+    /// ranks on one host talk over its loopback, ranks on different hosts over links. Ranks that
+    /// a crash or link fault names get a host of their own ([`placement`]). turmoil's cost per
+    /// step grows with hosts cubed (it scans every host pair's link for every host), so a job
+    /// of hundreds of ranks runs many times faster with tens of ranks per host.
+    pub fn ranks_per_host(mut self, n: u32) -> Simulation {
+        self.ranks_per_host = n.max(1);
         self
     }
 
@@ -587,6 +666,8 @@ struct Slot {
     events: Arc<Mutex<Vec<WorkEvent>>>,
     dump: Option<String>,
     crash_requested: bool,
+    /// The rank's run returned.
+    done: bool,
 }
 
 struct Shared {
@@ -661,34 +742,37 @@ struct Controller {
     cfg: Simulation,
     seed: u64,
     shared: Rc<Shared>,
+    /// Each rank's host ([`placement`]).
+    hosts: Vec<String>,
 }
 
 impl Controller {
     fn new(cfg: Simulation, seed: u64) -> Controller {
         let slots = (0..cfg.world_size).map(|_| RefCell::new(Slot::default())).collect();
-        Controller { cfg, seed, shared: Rc::new(Shared { slots }) }
+        let hosts = placement(cfg.world_size, cfg.ranks_per_host, &cfg.plan);
+        Controller { cfg, seed, shared: Rc::new(Shared { slots }), hosts }
     }
 
     fn timeline(&self) -> Vec<(u64, usize, Action)> {
         let n = self.cfg.world_size;
+        let host = |r: u32| self.hosts[r as usize].clone();
         let mut out = Vec::new();
         for (i, f) in self.cfg.plan.faults.iter().enumerate() {
             match *f {
                 Fault::Crash { rank, at: Trigger::AtMs(t) } => out.push((t, i, Action::Crash(rank))),
                 Fault::Partition { a, b, at_ms, until_ms } => {
-                    let link = vec![(rank_host(a), rank_host(b))];
+                    let link = vec![(host(a), host(b))];
                     out.push((at_ms, i, Action::Partition(link.clone())));
                     if let Some(u) = until_ms {
                         out.push((u, i, Action::Repair(link)));
                     }
                 }
                 Fault::Isolate { rank, at_ms, until_ms } => {
-                    let links: Vec<(String, String)> = (0..n)
-                        .filter(|&r| r != rank)
-                        .map(rank_host)
-                        .chain([STORE_HOST.to_owned()])
-                        .map(|other| (rank_host(rank), other))
-                        .collect();
+                    // Every other host (several ranks may share one) and the store's.
+                    let mut others: Vec<String> = (0..n).filter(|&r| r != rank).map(host).collect();
+                    others.dedup();
+                    let links: Vec<(String, String)> =
+                        others.into_iter().chain([STORE_HOST.to_owned()]).map(|other| (host(rank), other)).collect();
                     out.push((at_ms, i, Action::Partition(links.clone())));
                     if let Some(u) = until_ms {
                         out.push((u, i, Action::Repair(links)));
@@ -699,7 +783,9 @@ impl Controller {
                     // store stays reachable from both sides.
                     let links: Vec<(String, String)> = (from..to)
                         .flat_map(|a| (0..n).filter(move |b| !(from..to).contains(b)).map(move |b| (a, b)))
-                        .map(|(a, b)| (rank_host(a), rank_host(b)))
+                        .map(|(a, b)| (host(a), host(b)))
+                        .collect::<std::collections::BTreeSet<_>>()
+                        .into_iter()
                         .collect();
                     out.push((at_ms, i, Action::Partition(links.clone())));
                     if let Some(u) = until_ms {
@@ -707,13 +793,13 @@ impl Controller {
                     }
                 }
                 Fault::Hold { a, b, at_ms, until_ms } => {
-                    out.push((at_ms, i, Action::Hold(rank_host(a), rank_host(b))));
+                    out.push((at_ms, i, Action::Hold(host(a), host(b))));
                     if let Some(u) = until_ms {
-                        out.push((u, i, Action::Release(rank_host(a), rank_host(b))));
+                        out.push((u, i, Action::Release(host(a), host(b))));
                     }
                 }
                 Fault::Latency { a, b, latency_ms, at_ms } => {
-                    out.push((at_ms, i, Action::Latency(rank_host(a), rank_host(b), Duration::from_millis(latency_ms))))
+                    out.push((at_ms, i, Action::Latency(host(a), host(b), Duration::from_millis(latency_ms))))
                 }
                 Fault::StoreCrash { at_ms } => out.push((at_ms, i, Action::StoreCrash)),
                 _ => {}
@@ -741,20 +827,46 @@ impl Controller {
             drop(server);
             Ok(())
         });
+        // Each host's ranks, in rank order (hosts in order of their first rank).
+        let mut on_host: Vec<(String, Vec<Rc<RankCtx>>)> = Vec::new();
         for rank in 0..cfg.world_size {
-            let ctx = RankCtx {
+            let host = self.hosts[rank as usize].clone();
+            let ctx = Rc::new(RankCtx {
                 rank,
+                host: host.clone(),
                 cfg: cfg.clone(),
                 faults: RankFaults::of(&cfg.plan, rank),
                 shared: self.shared.clone(),
-            };
-            let ctx = Rc::new(ctx);
+            });
+            match on_host.iter_mut().find(|(h, _)| *h == host) {
+                Some((_, ctxs)) => ctxs.push(ctx),
+                None => on_host.push((host, vec![ctx])),
+            }
+        }
+        for (host, ctxs) in on_host {
             // A host, not a client: only hosts can be crashed. The controller decides when
             // the run is over (no rank's software running), not turmoil.
-            sim.host(rank_host(rank), move || {
-                let ctx = ctx.clone();
+            sim.host(host, move || {
+                let ctxs = ctxs.clone();
                 async move {
-                    ctx.run().await;
+                    if let [ctx] = &ctxs[..] {
+                        ctx.run().await;
+                        ctx.slot().done = true;
+                        return Ok(());
+                    }
+                    // Several ranks: each its own task, as processes of one node.
+                    let tasks: Vec<_> = ctxs
+                        .into_iter()
+                        .map(|ctx| {
+                            tokio::task::spawn_local(async move {
+                                ctx.run().await;
+                                ctx.slot().done = true;
+                            })
+                        })
+                        .collect();
+                    for t in tasks {
+                        let _ = t.await;
+                    }
                     Ok(())
                 }
             });
@@ -795,7 +907,7 @@ impl Controller {
             let mut any_running = false;
             let mut only_hung = true;
             for rank in 0..cfg.world_size {
-                if sim.is_host_running(rank_host(rank)) {
+                if self.is_running(&mut sim, rank) {
                     any_running = true;
                     let hung = matches!(
                         self.shared.slots[rank as usize].borrow().fate,
@@ -842,14 +954,21 @@ impl Controller {
         true
     }
 
+    /// Whether the rank's software still runs: its host is up and its run has not returned.
+    fn is_running(&self, sim: &mut turmoil::Sim<'_>, rank: u32) -> bool {
+        sim.is_host_running(self.hosts[rank as usize].as_str()) && !self.shared.slots[rank as usize].borrow().done
+    }
+
     fn crash(&self, sim: &mut turmoil::Sim<'_>, rank: u32, now: u64) -> bool {
         let mut slot = self.shared.slots[rank as usize].borrow_mut();
-        if matches!(slot.fate, Some(Fate::Crashed { .. })) || !sim.is_host_running(rank_host(rank)) {
+        let host = self.hosts[rank as usize].as_str();
+        if matches!(slot.fate, Some(Fate::Crashed { .. })) || !sim.is_host_running(host) {
             return false;
         }
         slot.fate = Some(Fate::Crashed { at_ms: now });
         drop(slot);
-        sim.crash(rank_host(rank));
+        // `placement` gave a rank that a crash names a host of its own.
+        sim.crash(host);
         true
     }
 
@@ -905,6 +1024,7 @@ impl Controller {
 
 struct RankCtx {
     rank: u32,
+    host: String,
     cfg: Simulation,
     faults: RankFaults,
     shared: Rc<Shared>,
@@ -939,7 +1059,7 @@ impl RankCtx {
             init_timeout: cfg.init_timeout,
             heartbeat: Some(cfg.heartbeat),
             error_handling: ErrorHandling::CleanUpOnly,
-            bind_addr: turmoil::lookup(rank_host(self.rank)),
+            bind_addr: turmoil::lookup(self.host.as_str()),
             trace_buffer_size: cfg.trace_buffer_size,
             dump_prefix: None,
             wall_clock_anchor_ns: Some(WALL_CLOCK_START_NS + sim_ms() * 1_000_000),
@@ -1155,5 +1275,49 @@ impl SimGroup for ProcessGroup {
 
     fn set_completion_hook(&self, hook: impl Fn(&cohort_transports::WorkInfo) + Send + Sync + 'static) {
         ProcessGroup::set_completion_hook(self, hook);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn plan(text: &str) -> FaultPlan {
+        text.parse().unwrap()
+    }
+
+    #[test]
+    fn placement_packs_consecutive_ranks_and_gives_faulted_ranks_hosts_of_their_own() {
+        // One rank a host by default: every rank's own name.
+        assert_eq!(placement(3, 1, &FaultPlan::none()), ["rank0", "rank1", "rank2"]);
+        // Four a host; a leftover rank alone on a node is named for itself.
+        let hosts = placement(9, 4, &FaultPlan::none());
+        assert_eq!(hosts, ["node0", "node0", "node0", "node0", "node1", "node1", "node1", "node1", "rank8"]);
+        // A crash, a partition's ends: hosts of their own; a hang or desync strikes no host.
+        let hosts = placement(8, 4, &plan("crash:1@seq2; partition:5-6@t=10ms; hang:2@seq1"));
+        assert_eq!(hosts, ["node0", "rank1", "node0", "node0", "node0", "rank5", "rank6", "rank7"]);
+        // A cut: no host straddles it.
+        let hosts = placement(8, 4, &plan("cut:2..5@t=10ms"));
+        assert_eq!(hosts, ["node0", "node0", "node1", "node1", "node1", "node2", "node2", "node2"]);
+        // Isolate, hold, latency.
+        let hosts = placement(4, 4, &plan("isolate:0@t=5ms; hold:1-2@t=5ms"));
+        assert_eq!(hosts, ["rank0", "rank1", "rank2", "rank3"]);
+    }
+
+    #[test]
+    fn ranks_sharing_hosts_run_the_job_and_each_fault_names_its_rank() {
+        for (fault, culprit) in [("crash:5@seq2", 5), ("hang:6@seq2", 6), ("desync-size:9@seq2", 9)] {
+            let report = Simulation::new(12)
+                .seed(4)
+                .ranks_per_host(4)
+                .script(Script::allreduces(3, 256))
+                .faults(plan(fault))
+                .run()
+                .unwrap();
+            assert_eq!(report.blamed(), vec![culprit], "{fault}: {}", report.diagnosis);
+            let healthy =
+                Simulation::new(12).seed(4).ranks_per_host(4).script(Script::allreduces(3, 256)).run().unwrap();
+            assert!(healthy.ranks.iter().all(|r| r.fate == Fate::Finished), "{fault}");
+        }
     }
 }

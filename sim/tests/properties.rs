@@ -228,6 +228,35 @@ fn random_fault_plans_keep_every_promise() {
     assert!(failures.is_empty(), "{} of {n} seeds broke a property:\n{}", failures.len(), failures.join("\n"));
 }
 
+/// A few seeds at the scale of a real job: 256 ranks, 32 to a simulated host (a full mesh: under
+/// lazy connection a rank learns of a crash it is not connected to only by its timeout, which
+/// the crash property does not allow). `COHORT_SIM_SCALE_SEEDS` (default 3) seeds from 0.
+#[test]
+fn random_fault_plans_keep_every_promise_at_256_ranks() {
+    let n = env("COHORT_SIM_SCALE_SEEDS", 3);
+    let world = 256;
+    let mut failures = Vec::new();
+    let mut kinds = Vec::new();
+    for seed in 0..n {
+        let (_, script, _) = setup(seed);
+        let plan = FaultPlan::random(seed, world, script.steps.len(), 8);
+        kinds.push(plan.faults.first().map_or("none".to_owned(), ToString::to_string));
+        let report = Simulation::new(world)
+            .seed(seed)
+            .script(script.clone())
+            .faults(plan.clone())
+            .ranks_per_host(32)
+            .run()
+            .unwrap();
+        if let Err(e) = check(&report) {
+            let cmd = replay(seed, world, &script, &plan);
+            failures.push(format!("{cmd} --ranks-per-host 32\n  {e}"));
+        }
+    }
+    eprintln!("{n} seeds at {world} ranks: {kinds:?}");
+    assert!(failures.is_empty(), "{} of {n} seeds broke a property:\n{}", failures.len(), failures.join("\n"));
+}
+
 #[test]
 fn a_crash_at_a_time_names_the_rank_in_every_survivor() {
     let report = Simulation::new(5)
