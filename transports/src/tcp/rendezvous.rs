@@ -113,6 +113,16 @@ pub(crate) fn addr_key(gid: GroupId, rank: u32) -> String {
     format!("{}addr/{rank}", group_prefix(gid))
 }
 
+/// The count of ranks that published their address (lazy rendezvous).
+pub(crate) fn published_count_key(gid: GroupId) -> String {
+    format!("{}addr_published", group_prefix(gid))
+}
+
+/// Set by the rank whose publication completed the count (lazy rendezvous).
+pub(crate) fn all_published_key(gid: GroupId) -> String {
+    format!("{}addr_all", group_prefix(gid))
+}
+
 /// Dial connection `index` to `peer` at `addr`, retrying with backoff until `deadline`.
 #[allow(clippy::too_many_arguments)]
 pub(crate) async fn dial_one<N: Net>(

@@ -86,7 +86,9 @@ pub(crate) struct DriverState {
     pub(crate) group: GroupState,
     me: Rank,
     gid: GroupId,
-    writers: Vec<Option<Lanes>>,
+    /// Per peer, the lanes this rank writes to it on, once connected. Boxed: one pointer a
+    /// peer, most of whom a large job under lazy connection never writes to.
+    writers: Vec<Option<Box<Lanes>>>,
     /// The works in flight and the data plane's bookkeeping of them.
     plane: DataPlane<Pending, Vec<u8>>,
     /// Plans of the collectives run so far, reused by later runs of the same ones.
@@ -130,7 +132,7 @@ impl std::fmt::Debug for WrittenHook {
 impl DriverState {
     pub(crate) fn new(
         group: GroupState,
-        writers: Vec<Option<Lanes>>,
+        writers: Vec<Option<Box<Lanes>>>,
         lazy: Option<u16>,
         on_written: OnWritten,
         pool: super::link::BufferPool,
@@ -169,10 +171,10 @@ impl DriverState {
             && self.group.failure().is_none()
         {
             let (txs, rxs): (Vec<_>, Vec<_>) = (0..k).map(|_| super::link::lane()).unzip();
-            self.writers[to.index()] = Some(Lanes::new(txs));
+            self.writers[to.index()] = Some(Box::new(Lanes::new(txs)));
             self.dial_requests.push((to, rxs));
         }
-        self.writers.get(to.index()).and_then(Option::as_ref)
+        self.writers.get(to.index()).and_then(Option::as_deref)
     }
 
     /// The timer task is about to sleep until `deadline`.
@@ -214,7 +216,7 @@ impl DriverState {
             return None;
         }
         let (txs, rxs): (Vec<_>, Vec<_>) = (0..n).map(|_| super::link::lane()).unzip();
-        *slot = Some(Lanes::new(txs));
+        *slot = Some(Box::new(Lanes::new(txs)));
         Some(rxs)
     }
 
@@ -721,7 +723,7 @@ impl DriverState {
 }
 
 /// Queue a frame for `to`; false if the link is gone.
-fn send(writers: &[Option<Lanes>], to: Rank, out: Outbound) -> bool {
+fn send(writers: &[Option<Box<Lanes>>], to: Rank, out: Outbound) -> bool {
     writers.get(to.index()).and_then(Option::as_ref).is_some_and(|lanes| lanes.send(out, SendMode::QUEUE) != Sent::Gone)
 }
 
