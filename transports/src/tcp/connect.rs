@@ -85,6 +85,11 @@ impl ProcessGroup {
                 await_addresses(store.as_ref(), gid, world_size, &opts).await?;
                 ((0..world_size).map(|_| Vec::new()).collect(), Some(listener))
             } else {
+                // Per peer: a set of connections each way, each a socket and an epoll set.
+                let needed = 4 * u64::from(k) * u64::from(world_size - 1) + 64;
+                if let Some(why) = super::socket::raise_open_files(needed) {
+                    tracing::warn!(rank, world_size, "{why}");
+                }
                 (mesh(&net, &listener, store.as_ref(), gid, me, world_size, &opts).await?, None)
             }
         };

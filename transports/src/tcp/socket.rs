@@ -382,3 +382,58 @@ pub(crate) async fn run_reader(reader: Arc<FastReader>, weak: Weak<Inner>, peer:
         }
     }
 }
+
+/// Raise this process's soft limit on open files to at least `needed`, as far as its hard limit
+/// allows (as Go's runtime does at start): a full mesh holds two descriptors a connection (the
+/// socket and the fast path's epoll set), and the usual soft limit of 1,024 would stop a rank
+/// at about 250 peers. `Some` says why the limit stays short of `needed`.
+pub(crate) fn raise_open_files(needed: u64) -> Option<String> {
+    let mut lim = libc::rlimit { rlim_cur: 0, rlim_max: 0 };
+    // SAFETY: a plain system call filling the struct we own.
+    if unsafe { libc::getrlimit(libc::RLIMIT_NOFILE, &mut lim) } != 0 {
+        return Some(format!("cannot read the limit on open files: {}", io::Error::last_os_error()));
+    }
+    if lim.rlim_cur >= needed {
+        return None;
+    }
+    let want = needed.min(lim.rlim_max);
+    let raised = libc::rlimit { rlim_cur: want, rlim_max: lim.rlim_max };
+    // SAFETY: as above; only the soft limit changes, within the hard one.
+    if unsafe { libc::setrlimit(libc::RLIMIT_NOFILE, &raised) } != 0 {
+        return Some(format!(
+            "cannot raise the limit on open files from {} to {want}: {}",
+            lim.rlim_cur,
+            io::Error::last_os_error()
+        ));
+    }
+    (want < needed).then(|| {
+        format!(
+            "this rank may need {needed} open files but the hard limit is {} (ulimit -Hn): raise it, or connect lazily (COHORT_LAZY_INIT=1)",
+            lim.rlim_max
+        )
+    })
+}
+
+#[cfg(test)]
+mod limit_tests {
+    use super::raise_open_files;
+
+    fn limits() -> (u64, u64) {
+        let mut lim = libc::rlimit { rlim_cur: 0, rlim_max: 0 };
+        // SAFETY: a plain system call filling the struct we own.
+        assert_eq!(unsafe { libc::getrlimit(libc::RLIMIT_NOFILE, &mut lim) }, 0);
+        (lim.rlim_cur, lim.rlim_max)
+    }
+
+    #[test]
+    fn the_open_files_limit_is_raised_within_the_hard_limit_and_a_short_one_is_named() {
+        let (soft, hard) = limits();
+        assert_eq!(raise_open_files(soft.min(64)), None, "enough already: nothing to do");
+        assert_eq!(limits().0, soft);
+        if hard != libc::RLIM_INFINITY {
+            let short = raise_open_files(hard + 1).expect("the hard limit is short");
+            assert!(short.contains(&format!("the hard limit is {hard}")), "{short}");
+            assert_eq!(limits().0, hard, "raised as far as it goes");
+        }
+    }
+}
