@@ -166,16 +166,7 @@ impl Group {
 
     /// Gathers into `output` itself (in place where it can).
     fn allgather_into_tensor(&self, py: Python<'_>, input: Buf, output: Buf) -> PyResult<PendingWork> {
-        let outs = outs_of(std::slice::from_ref(&output));
-        self.launch(
-            py,
-            outs,
-            move |pg, mut t| {
-                let input = t.remove(1);
-                pg.allgather_base(t.remove(0), input)
-            },
-            vec![output, input],
-        )
+        self.launch_into(py, output, input, |pg, output, input| pg.allgather_base(output, input))
     }
 
     /// `outputs`: one per rank on the root, empty elsewhere.
@@ -222,16 +213,7 @@ impl Group {
         factor: f64,
     ) -> PyResult<PendingWork> {
         let op = reduce_op(op, factor)?;
-        let outs = outs_of(std::slice::from_ref(&output));
-        self.launch(
-            py,
-            outs,
-            move |pg, mut t| {
-                let input = t.remove(1);
-                pg.reduce_scatter_base(t.remove(0), input, op)
-            },
-            vec![output, input],
-        )
+        self.launch_into(py, output, input, move |pg, output, input| pg.reduce_scatter_base(output, input, op))
     }
 
     /// `outputs` and `inputs`: one per rank.
@@ -261,17 +243,9 @@ impl Group {
         output_splits: Option<Vec<usize>>,
         input_splits: Option<Vec<usize>>,
     ) -> PyResult<PendingWork> {
-        let outs = outs_of(std::slice::from_ref(&output));
-        self.launch(
-            py,
-            outs,
-            move |pg, mut t| {
-                let input = t.remove(1);
-                let output = t.remove(0);
-                pg.alltoall_base(output, input, output_splits, input_splits)
-            },
-            vec![output, input],
-        )
+        self.launch_into(py, output, input, move |pg, output, input| {
+            pg.alltoall_base(output, input, output_splits, input_splits)
+        })
     }
 
     fn barrier(&self, py: Python<'_>) -> PyResult<PendingWork> {
@@ -323,6 +297,20 @@ impl Group {
         F: FnOnce(&ProcessGroup, Vec<Tensor>) -> Result<Work, SubmitError> + Send,
     {
         self.launch_with(py, outs, f, bufs, true)
+    }
+
+    /// [`Group::launch`] of an op that fills `output` from `input` (`f(pg, output, input)`),
+    /// the output in place where it can.
+    fn launch_into<F>(&self, py: Python<'_>, output: Buf, input: Buf, f: F) -> PyResult<PendingWork>
+    where
+        F: FnOnce(&ProcessGroup, Tensor, Tensor) -> Result<Work, SubmitError> + Send,
+    {
+        let outs = outs_of(std::slice::from_ref(&output));
+        let run = move |pg: &ProcessGroup, mut t: Vec<Tensor>| {
+            let input = t.remove(1);
+            f(pg, t.remove(0), input)
+        };
+        self.launch(py, outs, run, vec![output, input])
     }
 
     /// [`Group::launch`]; `in_place: false` gives the collective copies of every tensor.
