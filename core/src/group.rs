@@ -733,6 +733,8 @@ struct WorkEntry {
     timeout: Duration,
     launched: bool,
     waiting_on: Option<Vec<Rank>>,
+    /// The ranks its stuck note named, once it was sent (half its timeout).
+    stuck_on: Option<Vec<Rank>>,
     /// The result, once known; the work finishes when every earlier work has.
     result: Option<WorkResult>,
     /// Its flight-recorder entry.
@@ -982,6 +984,7 @@ impl GroupState {
                 timeout,
                 launched: false,
                 waiting_on: None,
+                stuck_on: None,
                 result: None,
                 record,
             },
@@ -1312,6 +1315,16 @@ impl GroupState {
             self.heard[peer.index()] = now;
             self.timers.set(TimerKind::PeerSilence(peer), now.saturating_add(hb.dead_after));
         }
+        // A peer that connects while this rank is stuck (often one stuck on it, asking) hears
+        // whom it is stuck on.
+        if matches!(self.health, Health::Healthy) {
+            for (_, w) in self.works.iter().filter(|(_, w)| w.result.is_none()) {
+                if let Some(waiting_on) = &w.stuck_on {
+                    let msg = ControlMsg::Stuck { seq: w.seq, waiting_on: waiting_on.clone() };
+                    self.transmits.push_back(Transmit { to: peer, msg });
+                }
+            }
+        }
     }
 
     /// Whether `peer` is connected (always, unless [`GroupConfig::lazy_peers`]).
@@ -1558,15 +1571,21 @@ impl GroupState {
     }
 
     /// A collective ran half its timeout: tell every connected peer whom it still waits for.
+    /// Under lazy connection the ranks it waits for are told too, connecting to them if need
+    /// be: a rank stuck on this one then learns whom this one is stuck on (it answers with its
+    /// own note when the connection comes, [`GroupState::handle_peer_connected`]), so the chain
+    /// of notes runs along the waits even where no data ever flowed.
     fn work_stuck(&mut self, id: WorkId) {
-        let Some(w) = self.works.get(&id) else { return };
+        let Some(w) = self.works.get_mut(&id) else { return };
         let Some(waiting_on) = w.waiting_on.clone().filter(|r| !r.is_empty()) else { return };
         if w.result.is_some() || w.is_p2p || !matches!(self.health, Health::Healthy) {
             return;
         }
+        w.stuck_on = Some(waiting_on.clone());
         let seq = w.seq;
         for to in self.peers() {
-            if self.connected.contains(&to) && !self.lost.contains_key(&to) {
+            let told = self.connected.contains(&to) || (self.cfg.lazy_peers && waiting_on.contains(&to));
+            if told && !self.lost.contains_key(&to) && !self.departed.contains(&to) {
                 self.transmits
                     .push_back(Transmit { to, msg: ControlMsg::Stuck { seq, waiting_on: waiting_on.clone() } });
             }
@@ -1894,6 +1913,32 @@ mod tests {
             _ => None,
         });
         assert_eq!(culprit, Some(Some(Rank(1))), "a note pointing back at this rank ends the chain");
+    }
+
+    #[test]
+    fn under_lazy_connection_a_stuck_rank_tells_the_rank_it_waits_for_and_whoever_connects() {
+        let mut cfg = GroupConfig::new(4);
+        cfg.lazy_peers = true;
+        cfg.heartbeat = None;
+        cfg.timeout = Duration::from_secs(10);
+        #[allow(clippy::disallowed_methods)] // the test's one epoch
+        let t0 = Instant::now();
+        let mut g = GroupState::new(cfg, Rank(0), t0);
+        g.handle_peer_connected(t0, Rank(2));
+        let a = g.submit(t0, allreduce(4)).unwrap();
+        while g.poll_launch().is_some() {}
+        g.handle_started(t0, a);
+        g.handle_waiting_on(t0, a, &[Rank(1)]);
+        // Halfway: the connected peer (2) and the rank waited for (1, not connected) hear it;
+        // rank 3, neither, does not.
+        g.handle_timeout(t0 + Duration::from_secs(5));
+        let note = ControlMsg::Stuck { seq: SeqNo(1), waiting_on: vec![Rank(1)] };
+        let to: Vec<Rank> = std::iter::from_fn(|| g.poll_transmit()).filter(|t| t.msg == note).map(|t| t.to).collect();
+        assert_eq!(to, [Rank(1), Rank(2)]);
+        // Rank 3 connects (asking, stuck on this rank): it hears the note at once.
+        g.handle_peer_connected(t0 + Duration::from_secs(6), Rank(3));
+        let to: Vec<Rank> = std::iter::from_fn(|| g.poll_transmit()).filter(|t| t.msg == note).map(|t| t.to).collect();
+        assert_eq!(to, [Rank(3)]);
     }
 
     /// Deliver every control message `groups[from]` has queued to its addressee.

@@ -607,6 +607,9 @@ impl DriverState {
             let mut progressed = false;
             while let Some(t) = self.group.poll_transmit() {
                 progressed = true;
+                // A stuck note may go to a rank not connected yet (lazy connection: the rank it
+                // waits for): it connects. Everything else goes to connected peers only.
+                let dial = matches!(t.msg, ControlMsg::Stuck { .. });
                 let (header, payload) = match t.msg {
                     ControlMsg::Heartbeat => (FrameHeader::heartbeat(self.me), Bytes::new()),
                     msg => {
@@ -616,7 +619,14 @@ impl DriverState {
                         (h, Bytes::from(f.payload))
                     }
                 };
-                send(&self.writers, t.to, Outbound::new(header, payload, None));
+                let out = Outbound::new(header, payload, None);
+                if dial {
+                    if let Some(lanes) = self.lanes_for(t.to) {
+                        lanes.send(out, SendMode::QUEUE);
+                    }
+                } else {
+                    send(&self.writers, t.to, out);
+                }
             }
             while let Some(launch) = self.group.poll_launch() {
                 progressed = true;
