@@ -638,17 +638,6 @@ pub enum ControlMsg {
         /// The ranks it waits for.
         waiting_on: Vec<Rank>,
     },
-    /// Rank `origin`'s stuck note, passed on (lazy connection): a rank stuck on the sender
-    /// learns what the sender learned from the ranks it is stuck on, though it may never be
-    /// connected to them.
-    StuckRelay {
-        /// The collective.
-        seq: SeqNo,
-        /// Whose note it is.
-        origin: Rank,
-        /// The ranks `origin` waits for.
-        waiting_on: Vec<Rank>,
-    },
 }
 
 /// A control message for one peer.
@@ -1271,68 +1260,18 @@ impl GroupState {
                 // this rank's goodbye would otherwise blame this rank.
                 self.abort(t, format!("rank {from} aborted the group: {reason}"), Some(from));
             }
-            ControlMsg::Stuck { seq, waiting_on } => self.stuck_note(from, from, seq, waiting_on),
-            ControlMsg::StuckRelay { seq, origin, waiting_on } => self.stuck_note(from, origin, seq, waiting_on),
-        }
-    }
-
-    /// `origin`'s stuck note for `seq`, heard from `from`. Under lazy connection a note this rank
-    /// did not have yet is passed on to the connected peers stuck on this rank (their latest
-    /// note names it), once: notes then travel along chains of waits to ranks that are not
-    /// connected to the rank the note is about.
-    fn stuck_note(&mut self, from: Rank, origin: Rank, seq: SeqNo, mut waiting_on: Vec<Rank>) {
-        let n = self.cfg.world_size;
-        if origin == self.rank || origin.0 >= n || from.0 >= n {
-            return;
-        }
-        waiting_on.retain(|r| r.0 < n);
-        waiting_on.truncate(n as usize);
-        let notes = self.peer_stuck.entry(origin).or_default();
-        if notes.get(&seq) == Some(&waiting_on) {
-            return;
-        }
-        notes.insert(seq, waiting_on.clone());
-        // A peer's notes are bounded: the oldest go first.
-        while notes.len() > STUCK_NOTES_PER_PEER {
-            notes.pop_first();
-        }
-        if !self.cfg.lazy_peers || !matches!(self.health, Health::Healthy) {
-            return;
-        }
-        let me = self.rank;
-        if origin == from && waiting_on.contains(&me) && self.connected.contains(&from) {
-            // `from` is stuck on this rank: it hears what this rank knows of the chain, the
-            // notes that came before it asked included.
-            for (_, w) in self.works.iter().filter(|(_, w)| w.result.is_none()) {
-                if let Some(on) = &w.stuck_on {
-                    let msg = ControlMsg::Stuck { seq: w.seq, waiting_on: on.clone() };
-                    self.transmits.push_back(Transmit { to: from, msg });
+            ControlMsg::Stuck { seq, mut waiting_on } => {
+                if from != self.rank && from.0 < self.cfg.world_size {
+                    waiting_on.retain(|r| r.0 < self.cfg.world_size);
+                    waiting_on.truncate(self.cfg.world_size as usize);
+                    let notes = self.peer_stuck.entry(from).or_default();
+                    notes.insert(seq, waiting_on);
+                    // A peer's notes are bounded: the oldest go first.
+                    while notes.len() > STUCK_NOTES_PER_PEER {
+                        notes.pop_first();
+                    }
                 }
             }
-            for (o, notes) in &self.peer_stuck {
-                if let (true, Some((s, on))) = (*o != from, notes.last_key_value()) {
-                    let msg = ControlMsg::StuckRelay { seq: *s, origin: *o, waiting_on: on.clone() };
-                    self.transmits.push_back(Transmit { to: from, msg });
-                }
-            }
-        }
-        let stuck_on_me: Vec<Rank> = self
-            .peer_stuck
-            .iter()
-            .filter(|(p, notes)| {
-                **p != from
-                    && **p != origin
-                    && self.connected.contains(p)
-                    && !self.lost.contains_key(p)
-                    && notes.last_key_value().is_some_and(|(_, on)| on.contains(&me))
-            })
-            .map(|(p, _)| *p)
-            .collect();
-        for to in stuck_on_me {
-            self.transmits.push_back(Transmit {
-                to,
-                msg: ControlMsg::StuckRelay { seq, origin, waiting_on: waiting_on.clone() },
-            });
         }
     }
 
@@ -2000,57 +1939,6 @@ mod tests {
         g.handle_peer_connected(t0 + Duration::from_secs(6), Rank(3));
         let to: Vec<Rank> = std::iter::from_fn(|| g.poll_transmit()).filter(|t| t.msg == note).map(|t| t.to).collect();
         assert_eq!(to, [Rank(3)]);
-    }
-
-    #[test]
-    fn under_lazy_connection_stuck_notes_are_relayed_along_the_waits() {
-        // Rank 0 of 5 waits for rank 1, which waits for rank 2, which waits for rank 3 (which
-        // never says anything): rank 0 is connected to rank 1 only, and learns of rank 2's note
-        // through rank 1, so its timeout blames rank 3.
-        let mut cfg = GroupConfig::new(5);
-        cfg.lazy_peers = true;
-        cfg.heartbeat = None;
-        cfg.timeout = Duration::from_secs(10);
-        #[allow(clippy::disallowed_methods)] // the test's one epoch
-        let t0 = Instant::now();
-        let s = |ms| t0 + Duration::from_millis(ms);
-        let mut g = GroupState::new(cfg.clone(), Rank(0), t0);
-        g.handle_peer_connected(t0, Rank(1));
-        let a = g.submit(t0, allreduce(4)).unwrap();
-        while g.poll_launch().is_some() {}
-        g.handle_started(t0, a);
-        g.handle_waiting_on(t0, a, &[Rank(1)]);
-        g.handle_timeout(s(5_000));
-        g.handle_message(s(5_001), Rank(1), ControlMsg::Stuck { seq: SeqNo(1), waiting_on: vec![Rank(2)] });
-        let relay = ControlMsg::StuckRelay { seq: SeqNo(1), origin: Rank(2), waiting_on: vec![Rank(3)] };
-        g.handle_message(s(5_002), Rank(1), relay.clone());
-        g.handle_timeout(s(10_000));
-        g.handle_timeout(s(10_000) + CENSUS_WINDOW);
-        let culprit = drain_events(&mut g).iter().find_map(|e| match e {
-            Event::GroupFailed(f) => Some(f.culprit()),
-            _ => None,
-        });
-        assert_eq!(culprit, Some(Some(Rank(3))));
-
-        // Rank 1's side: stuck on rank 2, with rank 0 stuck on it. Rank 2's note is new, so it
-        // goes on to rank 0 (once); rank 0's note, naming rank 1, is answered with what rank 1
-        // knows.
-        let mut g = GroupState::new(cfg, Rank(1), t0);
-        g.handle_peer_connected(t0, Rank(0));
-        g.handle_peer_connected(t0, Rank(2));
-        g.handle_message(s(5_000), Rank(0), ControlMsg::Stuck { seq: SeqNo(1), waiting_on: vec![Rank(1)] });
-        let _ = std::iter::from_fn(|| g.poll_transmit()).count();
-        let note = ControlMsg::Stuck { seq: SeqNo(1), waiting_on: vec![Rank(3)] };
-        g.handle_message(s(5_001), Rank(2), note.clone());
-        let sent: Vec<Transmit> = std::iter::from_fn(|| g.poll_transmit()).collect();
-        assert_eq!(sent, [Transmit { to: Rank(0), msg: relay.clone() }]);
-        g.handle_message(s(5_002), Rank(2), note);
-        assert_eq!(g.poll_transmit(), None, "a note already known is not passed on again");
-        // Full mesh: no relays.
-        let (mut g, _) = group(5, 1, ErrorHandling::CleanUpOnly);
-        g.handle_message(s(5_000), Rank(0), ControlMsg::Stuck { seq: SeqNo(1), waiting_on: vec![Rank(1)] });
-        g.handle_message(s(5_001), Rank(2), ControlMsg::Stuck { seq: SeqNo(1), waiting_on: vec![Rank(3)] });
-        assert_eq!(g.poll_transmit(), None);
     }
 
     /// Deliver every control message `groups[from]` has queued to its addressee.

@@ -54,7 +54,7 @@ fn valid_header() -> impl Strategy<Value = FrameHeader> {
             let payload_len = match kind {
                 FrameKind::Heartbeat | FrameKind::Goodbye => 0,
                 FrameKind::Error | FrameKind::Abort => len % (MAX_MESSAGE_LEN + 1),
-                FrameKind::Data | FrameKind::P2p | FrameKind::Stuck | FrameKind::StuckRelay | FrameKind::Census => {
+                FrameKind::Data | FrameKind::P2p | FrameKind::Stuck | FrameKind::Census => {
                     len % (FrameLimits::default().max_payload + 1)
                 }
             };
@@ -80,9 +80,7 @@ fn small_frame() -> impl Strategy<Value = Frame> {
             let payload = match header.kind {
                 FrameKind::Heartbeat | FrameKind::Goodbye => Vec::new(),
                 FrameKind::Error | FrameKind::Abort => text.into_bytes(),
-                FrameKind::Data | FrameKind::P2p | FrameKind::Stuck | FrameKind::StuckRelay | FrameKind::Census => {
-                    bytes
-                }
+                FrameKind::Data | FrameKind::P2p | FrameKind::Stuck | FrameKind::Census => bytes,
             };
             header.payload_len = payload.len() as u64;
             Frame { header, payload }

@@ -28,9 +28,6 @@ enum Input {
     Census(u8, u8, Vec<u8>),
     RemoteAbort(u8),
     RemoteStuck(u8, u8, Vec<u8>),
-    /// A relayed stuck note: (sender, origin, seq, ranks), through the wire decoder.
-    RemoteStuckRelay(u8, u8, u8, Vec<u8>),
-    Connected(u8),
     Abort,
     Advance(u16),
 }
@@ -40,7 +37,6 @@ struct Case {
     world: u8,
     mode: u8,
     heartbeats: bool,
-    lazy: bool,
     max_in_flight: u8,
     inputs: Vec<Input>,
 }
@@ -56,7 +52,6 @@ fuzz_target!(|case: Case| {
     };
     cfg.timeout = Duration::from_millis(5_000);
     cfg.max_in_flight = usize::from(case.max_in_flight % 4) + 1;
-    cfg.lazy_peers = case.lazy;
     cfg.heartbeat = case
         .heartbeats
         .then_some(HeartbeatConfig { interval: Duration::from_millis(200), dead_after: Duration::from_millis(1_500) });
@@ -136,22 +131,6 @@ fuzz_target!(|case: Case| {
                 let waiting_on = on.into_iter().map(|o| Rank(u32::from(o))).collect();
                 g.handle_message(now, rank(r), ControlMsg::Stuck { seq: SeqNo(u64::from(seq)), waiting_on })
             }
-            Input::RemoteStuckRelay(r, origin, seq, on) => {
-                let bytes: Vec<u8> = std::iter::once(u32::from(origin))
-                    .chain(on.into_iter().map(u32::from))
-                    .flat_map(u32::to_le_bytes)
-                    .collect();
-                let frame = cohort_core::protocol::decode_control(
-                    cohort_core::protocol::FrameKind::StuckRelay,
-                    SeqNo(u64::from(seq)),
-                    &bytes,
-                    world,
-                );
-                if let Ok(Some(msg)) = frame {
-                    g.handle_message(now, rank(r), msg);
-                }
-            }
-            Input::Connected(r) => g.handle_peer_connected(now, rank(r)),
             Input::Abort => g.handle_abort(now, "fuzz".into()),
             Input::Advance(ms) => {
                 now += Duration::from_millis(u64::from(ms));

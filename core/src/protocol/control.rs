@@ -53,11 +53,6 @@ pub fn encode_control(msg: &ControlMsg) -> ControlFrame {
         ControlMsg::Census { seq, sig } => {
             frame(FrameKind::Census, *seq, sig.map(|s| s.encode().to_vec()).unwrap_or_default())
         }
-        ControlMsg::StuckRelay { seq, origin, waiting_on } => frame(
-            FrameKind::StuckRelay,
-            *seq,
-            std::iter::once(origin).chain(waiting_on).flat_map(|r| r.0.to_le_bytes()).collect(),
-        ),
     }
 }
 
@@ -91,24 +86,16 @@ pub fn decode_control(
             let reason = decode_message(kind, payload).map_err(|e| bad(e.to_string()))?;
             ControlMsg::Abort { reason: reason.to_owned() }
         }
-        FrameKind::Stuck | FrameKind::StuckRelay => {
-            // A relay's list starts with the rank whose note it is.
-            let relay = usize::from(kind == FrameKind::StuckRelay);
-            let most = world_size as usize + relay;
-            if !payload.len().is_multiple_of(4) || payload.len() / 4 > most || payload.len() / 4 < relay {
-                return Err(bad(format!("{} bytes is not a list of at most {most} ranks", payload.len())));
+        FrameKind::Stuck => {
+            if !payload.len().is_multiple_of(4) || payload.len() / 4 > world_size as usize {
+                return Err(bad(format!("{} bytes is not a list of at most {world_size} ranks", payload.len())));
             }
-            let mut ranks: Vec<Rank> =
+            let waiting_on: Vec<Rank> =
                 payload.chunks_exact(4).map(|c| Rank(u32::from_le_bytes([c[0], c[1], c[2], c[3]]))).collect();
-            if let Some(r) = ranks.iter().find(|r| r.0 >= world_size) {
+            if let Some(r) = waiting_on.iter().find(|r| r.0 >= world_size) {
                 return Err(bad(format!("rank {r} is not in a group of {world_size}")));
             }
-            if relay == 1 {
-                let origin = ranks.remove(0);
-                ControlMsg::StuckRelay { seq, origin, waiting_on: ranks }
-            } else {
-                ControlMsg::Stuck { seq, waiting_on: ranks }
-            }
+            ControlMsg::Stuck { seq, waiting_on }
         }
         FrameKind::Census => {
             let sig = match payload {
@@ -146,7 +133,6 @@ mod tests {
         round_trip(ControlMsg::Error { origin: Rank(0), blame: Blame::nobody(), message: String::new() });
         round_trip(ControlMsg::Abort { reason: "user".into() });
         round_trip(ControlMsg::Stuck { seq: SeqNo(9), waiting_on: vec![Rank(2), Rank(7)] });
-        round_trip(ControlMsg::StuckRelay { seq: SeqNo(9), origin: Rank(3), waiting_on: vec![Rank(2)] });
         round_trip(ControlMsg::Census { seq: SeqNo(4), sig: None });
         let sig = Signature { op: OpType::Broadcast, dtype: Some(DType::F16), root: Some(Rank(5)), numel: 17 };
         round_trip(ControlMsg::Census { seq: SeqNo(4), sig: Some(sig) });

@@ -40,14 +40,11 @@ pub enum FrameKind {
     /// Code 8. The sender's vote in the desync census of collective `seq`: its signature
     /// there (15 bytes), or nothing if it has not reached it.
     Census,
-    /// Code 9. Another rank's stuck note for collective `seq`, passed on: the payload is that
-    /// rank, then the ranks it waits for, as little-endian u32s.
-    StuckRelay,
 }
 
 impl FrameKind {
     /// Every kind, in declaration order.
-    pub const ALL: [FrameKind; 9] = [
+    pub const ALL: [FrameKind; 8] = [
         FrameKind::Abort,
         FrameKind::Census,
         FrameKind::Data,
@@ -56,7 +53,6 @@ impl FrameKind {
         FrameKind::Heartbeat,
         FrameKind::P2p,
         FrameKind::Stuck,
-        FrameKind::StuckRelay,
     ];
 
     /// The kind's code on the wire.
@@ -70,7 +66,6 @@ impl FrameKind {
             FrameKind::Goodbye => 6,
             FrameKind::Stuck => 7,
             FrameKind::Census => 8,
-            FrameKind::StuckRelay => 9,
         }
     }
 
@@ -85,7 +80,6 @@ impl FrameKind {
             6 => Some(FrameKind::Goodbye),
             7 => Some(FrameKind::Stuck),
             8 => Some(FrameKind::Census),
-            9 => Some(FrameKind::StuckRelay),
             _ => None,
         }
     }
@@ -112,7 +106,6 @@ impl FrameKind {
             FrameKind::P2p => "p2p",
             FrameKind::Stuck => "stuck",
             FrameKind::Census => "census",
-            FrameKind::StuckRelay => "stuck_relay",
         }
     }
 }
@@ -490,7 +483,7 @@ mod tests {
 
     #[test]
     fn decode_refuses_unknown_kinds() {
-        for code in [0u8, 10, 255] {
+        for code in [0u8, 9, 255] {
             let mut b = header_bytes(&sample());
             b[6] = code;
             let err = FrameHeader::decode(&b, &FrameLimits::default()).unwrap_err();
