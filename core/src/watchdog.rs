@@ -15,6 +15,9 @@ use serde::{Deserialize, Serialize};
 
 use crate::work::{OpType, Rank, SeqNo, WorkId};
 
+/// The most hops of a chain of stuck notes a timeout's message shows (the rest are counted).
+const CHAIN_SHOWN: usize = 8;
+
 /// Why the group asked to be woken.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
 pub enum TimerKind {
@@ -164,6 +167,15 @@ pub fn timeout_message(this_rank: Rank, cx: &TimeoutContext) -> String {
             if let ([waited], Some(last)) = (ranks.as_slice(), cx.chain.last()) {
                 let mut hops = vec![format!("rank {waited}")];
                 hops.extend(cx.chain.iter().map(|r| format!("rank {r}")));
+                // A long chain (a ring of a thousand ranks) keeps its ends: the rank waited
+                // for and the likely culprit are what a reader needs.
+                if hops.len() > CHAIN_SHOWN {
+                    let hidden = hops.len() - CHAIN_SHOWN / 2 * 2;
+                    let tail = hops.split_off(hops.len() - CHAIN_SHOWN / 2);
+                    hops.truncate(CHAIN_SHOWN / 2);
+                    hops.push(format!("… ({hidden} more)"));
+                    hops.extend(tail);
+                }
                 msg.push_str(&format!(
                     "; {}: each said it was stuck waiting for the next (in this collective or an earlier one) and rank {last} never did: rank {last} is the likely culprit",
                     hops.join(" → "),
@@ -334,6 +346,14 @@ mod tests {
         assert_eq!(
             timeout_message(Rank(0), &cx),
             "rank 0: watchdog caught collective operation timeout: all_reduce (seq 7, numel in 1024, numel out 1024, timeout 500 ms) ran for 503 ms before timing out; still waiting for rank(s) [1]; rank 1 → rank 2 → rank 3: each said it was stuck waiting for the next (in this collective or an earlier one) and rank 3 never did: rank 3 is the likely culprit"
+        );
+        // A ring of a thousand: the ends of the chain, and how many hops between.
+        let cx =
+            TimeoutContext { waiting_on: Some(vec![Rank(1023)]), chain: (17..1023).rev().map(Rank).collect(), ..cx };
+        let text = timeout_message(Rank(0), &cx);
+        assert!(
+            text.ends_with("; rank 1023 → rank 1022 → rank 1021 → rank 1020 → … (999 more) → rank 20 → rank 19 → rank 18 → rank 17: each said it was stuck waiting for the next (in this collective or an earlier one) and rank 17 never did: rank 17 is the likely culprit"),
+            "{text}"
         );
     }
 

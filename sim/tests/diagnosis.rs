@@ -8,6 +8,7 @@
 //! and a cut between two sets of ranks; a slow rank (benign) must fail nothing and raise no
 //! alarm, every time.
 //!
+//! `COHORT_DIAG_LAZY=1` runs them with lazy connection (the floors are set for the full mesh).
 //! `COHORT_DIAG_PLANS` plans (default 200; CI runs the default), from `COHORT_DIAG_FIRST_SEED`
 //! (default 0), on `COHORT_DIAG_THREADS` threads (default 2; each runs its simulations one
 //! after another: a turmoil simulation lives on the thread that runs it). A floor miss fails
@@ -412,6 +413,7 @@ fn simulate(seed: u64, world: u32, script: &Script, plan: FaultPlan) -> Report {
         .seed(seed)
         .script(script.clone())
         .faults(plan)
+        .lazy_connect(env("COHORT_DIAG_LAZY", 0) == 1)
         .run()
         .unwrap_or_else(|e| panic!("seed {seed}: a bad setup: {e}"))
 }
