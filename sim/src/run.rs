@@ -768,9 +768,9 @@ impl Controller {
                     }
                 }
                 Fault::Isolate { rank, at_ms, until_ms } => {
-                    // Every other host (several ranks may share one) and the store's.
-                    let mut others: Vec<String> = (0..n).filter(|&r| r != rank).map(host).collect();
-                    others.dedup();
+                    // Every other host, once (several ranks may share one, not always adjacent
+                    // in rank order), and the store's.
+                    let others: std::collections::BTreeSet<String> = (0..n).filter(|&r| r != rank).map(host).collect();
                     let links: Vec<(String, String)> =
                         others.into_iter().chain([STORE_HOST.to_owned()]).map(|other| (host(rank), other)).collect();
                     out.push((at_ms, i, Action::Partition(links.clone())));
