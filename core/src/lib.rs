@@ -19,6 +19,7 @@
 //! | [`group`] | [`GroupState`]: one rank's state in one group — sequence numbers, works in issue order, deadlines, peers, abort, error handling |
 //! | [`protocol`] | the data-plane frame and the connection handshake (wire codecs) |
 //! | [`schedule`] | every collective as a per-rank plan, the sans-IO executor that runs it, an in-memory harness |
+//! | [`shm`] | the shared-memory segment of two ranks on one host: layout, offer, bounds-checked byte rings |
 //! | [`store`] | PyTorch's TCPStore wire codec and [`StoreState`](store::StoreState), the store server's logic |
 //! | [`watchdog`] | the timer table, the c10d-style timeout message, the driver-stall monitor |
 //!
@@ -80,6 +81,7 @@ pub mod recorder;
 pub mod reduce;
 pub mod schedule;
 pub(crate) mod seqmap;
+pub mod shm;
 pub mod store;
 pub mod tensor;
 pub mod watchdog;

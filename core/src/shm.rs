@@ -1,0 +1,715 @@
+//! The shared-memory segment two ranks of one host exchange frames through: its layout, its
+//! header, the offer that agrees on it, and the two byte rings it holds.
+//!
+//! # Why here
+//!
+//! The transport maps the segment and moves the frames; everything a peer could corrupt is
+//! read here, bounds-checked, and fuzzed (`fuzz/fuzz_targets/shm_ring.rs`). The peer's process
+//! writes this memory while we read it, so nothing in it is trusted: a ring position that
+//! breaks the ring's invariant is an error ([`ShmError::Corrupt`]) naming what was wrong, never
+//! an out-of-bounds access or a panic.
+//!
+//! # Layout
+//!
+//! ```text
+//! 0      segment header, 64 bytes: magic "CoSHMv1\0", nonce u64, capacity u64,
+//!        creator rank u32, acceptor rank u32, group u32, zeros
+//! 64     ring 0 (creator → acceptor): control block, 256 bytes, then `capacity` data bytes
+//! 64 + 256 + capacity
+//!        ring 1 (acceptor → creator): the same
+//! ```
+//!
+//! A control block has four fields, each on a cache line of its own so that the two sides
+//! never write the same line: `tail` (bytes ever written, the producer's), `head` (bytes ever
+//! read, the consumer's), `want_data` (the consumer sleeps and wants a doorbell) and
+//! `want_space` (the producer waits for room and wants a doorbell). Positions only grow; a
+//! byte at position `p` lives at `p mod capacity`.
+//!
+//! # Doorbells
+//!
+//! A side that goes to sleep sets its flag, then looks at the ring once more (with a full
+//! fence between, as the other side has between publishing and looking at the flag), so
+//! either it sees the new bytes or the other side sees the flag and rings: a wake-up is never
+//! lost. The transport rings over the pair's TCP connection, which it keeps open for that and
+//! as the liveness channel (a dead peer's socket reads EOF).
+
+use std::ptr::NonNull;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU32, AtomicU64, Ordering, fence};
+
+use crate::work::{GroupId, Rank};
+
+/// Size of the segment header in bytes.
+pub const HEADER_LEN: usize = 64;
+/// Size of a ring's control block in bytes.
+pub const CONTROL_LEN: usize = 256;
+/// The segment header's first eight bytes.
+pub const SEGMENT_MAGIC: [u8; 8] = *b"CoSHMv1\0";
+/// The smallest ring capacity accepted (bytes).
+pub const MIN_CAPACITY: u64 = 4096;
+/// The largest ring capacity accepted (bytes): a hostile offer cannot make a peer map more.
+pub const MAX_CAPACITY: u64 = 1 << 30;
+
+const TAIL: usize = 0;
+const HEAD: usize = 64;
+const WANT_DATA: usize = 128;
+const WANT_SPACE: usize = 192;
+
+/// Why a segment, a ring or an offer was refused.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum ShmError {
+    /// A ring's capacity is not a power of two between [`MIN_CAPACITY`] and [`MAX_CAPACITY`].
+    #[error("ring capacity {0} is not a power of two from {MIN_CAPACITY} to {MAX_CAPACITY}")]
+    BadCapacity(u64),
+    /// The mapping is not the size the capacity needs, or not aligned to 64 bytes.
+    #[error(
+        "segment of {len} bytes at alignment {align} does not fit capacity {capacity} ({needed} bytes, 64-aligned)"
+    )]
+    BadMapping {
+        /// Its length.
+        len: usize,
+        /// The largest power of two (up to 64) its address is a multiple of.
+        align: usize,
+        /// The capacity it was asked to hold.
+        capacity: u64,
+        /// The length that capacity needs.
+        needed: usize,
+    },
+    /// The segment header is not what the offer described.
+    #[error("segment header mismatch: {0}")]
+    Header(String),
+    /// A ring position the peer wrote breaks the ring's invariant.
+    #[error("shared ring corrupt: {0}")]
+    Corrupt(String),
+    /// A malformed offer or answer.
+    #[error("malformed shared-memory offer: {0}")]
+    Offer(String),
+}
+
+/// The segment's size for rings of `capacity` bytes.
+pub fn segment_len(capacity: u64) -> Result<usize, ShmError> {
+    check_capacity(capacity)?;
+    Ok(HEADER_LEN + 2 * (CONTROL_LEN + capacity as usize))
+}
+
+fn check_capacity(capacity: u64) -> Result<(), ShmError> {
+    if capacity.is_power_of_two() && (MIN_CAPACITY..=MAX_CAPACITY).contains(&capacity) {
+        Ok(())
+    } else {
+        Err(ShmError::BadCapacity(capacity))
+    }
+}
+
+/// What the segment header says.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct SegmentHeader {
+    /// A random number the offer carries too: the segment opened is the one offered.
+    pub nonce: u64,
+    /// Each ring's capacity in bytes.
+    pub capacity: u64,
+    /// The rank that created the segment (it writes ring 0).
+    pub creator: Rank,
+    /// The rank that accepted it (it writes ring 1).
+    pub acceptor: Rank,
+    /// The group the pair's connection serves.
+    pub group: GroupId,
+}
+
+impl SegmentHeader {
+    /// The header's bytes.
+    pub fn encode(&self) -> [u8; HEADER_LEN] {
+        let mut out = [0u8; HEADER_LEN];
+        out[0..8].copy_from_slice(&SEGMENT_MAGIC);
+        out[8..16].copy_from_slice(&self.nonce.to_le_bytes());
+        out[16..24].copy_from_slice(&self.capacity.to_le_bytes());
+        out[24..28].copy_from_slice(&self.creator.0.to_le_bytes());
+        out[28..32].copy_from_slice(&self.acceptor.0.to_le_bytes());
+        out[32..36].copy_from_slice(&self.group.0.to_le_bytes());
+        out
+    }
+
+    /// Decodes a header. Total: a bad magic, a bad capacity or non-zero padding is an error.
+    pub fn decode(bytes: &[u8; HEADER_LEN]) -> Result<SegmentHeader, ShmError> {
+        if bytes[0..8] != SEGMENT_MAGIC {
+            return Err(ShmError::Header(format!("bad magic {:02x?}", &bytes[0..8])));
+        }
+        let u64_at = |i: usize| u64::from_le_bytes(bytes[i..i + 8].try_into().expect("8 bytes"));
+        let u32_at = |i: usize| u32::from_le_bytes(bytes[i..i + 4].try_into().expect("4 bytes"));
+        if let Some(i) = (36..HEADER_LEN).find(|&i| bytes[i] != 0) {
+            return Err(ShmError::Header(format!("padding byte {i} is {:#04x}, not zero", bytes[i])));
+        }
+        let capacity = u64_at(16);
+        check_capacity(capacity)?;
+        Ok(SegmentHeader {
+            nonce: u64_at(8),
+            capacity,
+            creator: Rank(u32_at(24)),
+            acceptor: Rank(u32_at(28)),
+            group: GroupId(u32_at(32)),
+        })
+    }
+}
+
+/// Which ring of a segment.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Direction {
+    /// Ring 0: the creator writes, the acceptor reads.
+    FromCreator,
+    /// Ring 1: the acceptor writes, the creator reads.
+    FromAcceptor,
+}
+
+/// A mapped segment: memory of [`segment_len`] bytes, and whatever keeps it mapped.
+#[derive(Clone)]
+pub struct Segment {
+    base: NonNull<u8>,
+    capacity: u64,
+    /// Keeps the memory alive (the transport's mapping, or a heap allocation).
+    _owner: Arc<dyn Send + Sync>,
+}
+
+// SAFETY: the segment's memory is only touched through atomics (positions and flags) and
+// through copies of byte ranges that the ring's positions hand to one side at a time; `owner`
+// is Send + Sync and keeps the memory alive.
+unsafe impl Send for Segment {}
+// SAFETY: as above.
+unsafe impl Sync for Segment {}
+
+impl std::fmt::Debug for Segment {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Segment").field("base", &self.base).field("capacity", &self.capacity).finish()
+    }
+}
+
+impl Segment {
+    /// A view of `len` bytes at `base` holding rings of `capacity` bytes.
+    ///
+    /// # Safety
+    ///
+    /// `base..base + len` must stay mapped, readable and writable for as long as `owner` lives,
+    /// and nothing but [`Segment`]s (here or in another process) may write it.
+    pub unsafe fn from_raw(
+        base: *mut u8,
+        len: usize,
+        capacity: u64,
+        owner: Arc<dyn Send + Sync>,
+    ) -> Result<Segment, ShmError> {
+        let needed = segment_len(capacity)?;
+        let align = 1usize << (base as usize).trailing_zeros().min(6);
+        match NonNull::new(base) {
+            Some(base) if len == needed && align == 64 => Ok(Segment { base, capacity, _owner: owner }),
+            _ => Err(ShmError::BadMapping { len, align, capacity, needed }),
+        }
+    }
+
+    /// A segment in this process's heap (tests, fuzzing, and the transport's own checks).
+    pub fn in_heap(capacity: u64) -> Result<Segment, ShmError> {
+        let len = segment_len(capacity)?;
+        // 64-byte blocks, so the base is 64-aligned.
+        #[repr(align(64))]
+        #[derive(Default)]
+        struct Block {
+            _words: [AtomicU64; 8],
+        }
+        let blocks: Arc<Vec<Block>> = Arc::new((0..len / 64).map(|_| Block::default()).collect());
+        let base = blocks.as_ptr() as *mut u8;
+        // SAFETY: the allocation is `len` bytes (segment lengths are multiples of 64), 64-aligned,
+        // lives as long as the owner, and is only written through this segment's atomics and
+        // copies (interior mutability: the blocks are atomics).
+        unsafe { Segment::from_raw(base, len, capacity, blocks) }
+    }
+
+    /// Each ring's capacity in bytes.
+    pub fn capacity(&self) -> u64 {
+        self.capacity
+    }
+
+    /// Write the header and clear both control blocks: the creator does this before it offers
+    /// the segment.
+    pub fn init(&self, header: &SegmentHeader) {
+        for dir in [Direction::FromCreator, Direction::FromAcceptor] {
+            for field in [TAIL, HEAD] {
+                self.word(dir, field).store(0, Ordering::Relaxed);
+            }
+            for field in [WANT_DATA, WANT_SPACE] {
+                self.flag(dir, field).store(0, Ordering::Relaxed);
+            }
+        }
+        let bytes = header.encode();
+        // SAFETY: the header's 64 bytes are inside the segment; nobody else has it yet.
+        unsafe { std::ptr::copy_nonoverlapping(bytes.as_ptr(), self.base.as_ptr(), HEADER_LEN) };
+        fence(Ordering::Release);
+    }
+
+    /// The header as the segment holds it now.
+    pub fn header(&self) -> Result<SegmentHeader, ShmError> {
+        fence(Ordering::Acquire);
+        let mut bytes = [0u8; HEADER_LEN];
+        // SAFETY: the header's 64 bytes are inside the segment.
+        unsafe { std::ptr::copy_nonoverlapping(self.base.as_ptr(), bytes.as_mut_ptr(), HEADER_LEN) };
+        SegmentHeader::decode(&bytes)
+    }
+
+    /// The writing end of ring `dir`. Only one side may hold it.
+    pub fn producer(&self, dir: Direction) -> Producer {
+        let tail = self.word(dir, TAIL).load(Ordering::Acquire);
+        Producer { seg: self.clone(), dir, tail }
+    }
+
+    /// The reading end of ring `dir`. Only one side may hold it.
+    pub fn consumer(&self, dir: Direction) -> Consumer {
+        let head = self.word(dir, HEAD).load(Ordering::Acquire);
+        Consumer { seg: self.clone(), dir, head }
+    }
+
+    /// Store `value` in control field `field` (0 tail, 1 head, 2 want_data, 3 want_space; others
+    /// are ignored) of ring `dir`, as a misbehaving peer could: what tests and the fuzzer use to
+    /// play one.
+    #[doc(hidden)]
+    pub fn scribble(&self, dir: Direction, field: u8, value: u64) {
+        match field {
+            0 => self.word(dir, TAIL).store(value, Ordering::Release),
+            1 => self.word(dir, HEAD).store(value, Ordering::Release),
+            2 => self.flag(dir, WANT_DATA).store(value as u32, Ordering::Release),
+            3 => self.flag(dir, WANT_SPACE).store(value as u32, Ordering::Release),
+            _ => {}
+        }
+    }
+
+    fn control(&self, dir: Direction) -> usize {
+        match dir {
+            Direction::FromCreator => HEADER_LEN,
+            Direction::FromAcceptor => HEADER_LEN + CONTROL_LEN + self.capacity as usize,
+        }
+    }
+
+    fn word(&self, dir: Direction, field: usize) -> &AtomicU64 {
+        // SAFETY: the field is inside the segment, 8-aligned (the base is 64-aligned and every
+        // offset a multiple of 64), and only ever accessed atomically.
+        unsafe { &*(self.base.as_ptr().add(self.control(dir) + field) as *const AtomicU64) }
+    }
+
+    fn flag(&self, dir: Direction, field: usize) -> &AtomicU32 {
+        // SAFETY: as in `word`.
+        unsafe { &*(self.base.as_ptr().add(self.control(dir) + field) as *const AtomicU32) }
+    }
+
+    fn data(&self, dir: Direction) -> *mut u8 {
+        // SAFETY: the data area starts inside the segment, right after the control block.
+        unsafe { self.base.as_ptr().add(self.control(dir) + CONTROL_LEN) }
+    }
+}
+
+/// The writing end of one ring. Its position is its own; it reads the consumer's, and refuses
+/// one that breaks the invariant `tail - capacity <= head <= tail`.
+#[derive(Debug)]
+pub struct Producer {
+    seg: Segment,
+    dir: Direction,
+    tail: u64,
+}
+
+impl Producer {
+    /// Bytes that fit now.
+    pub fn free(&self) -> Result<usize, ShmError> {
+        let head = self.seg.word(self.dir, HEAD).load(Ordering::Acquire);
+        let cap = self.seg.capacity;
+        match self.tail.checked_sub(head) {
+            Some(used) if used <= cap => Ok((cap - used) as usize),
+            _ => Err(ShmError::Corrupt(format!(
+                "the reader's position {head} is not within {cap} bytes behind the writer's {}",
+                self.tail
+            ))),
+        }
+    }
+
+    /// Copy as much of `bufs` (in order) as fits, publish it, and return how many bytes went.
+    pub fn write(&mut self, bufs: &[&[u8]]) -> Result<usize, ShmError> {
+        let mut room = self.free()?;
+        let cap = self.seg.capacity as usize;
+        let data = self.seg.data(self.dir);
+        let mut pos = self.tail;
+        for buf in bufs {
+            let n = buf.len().min(room);
+            let mut done = 0;
+            while done < n {
+                let at = (pos % cap as u64) as usize;
+                let run = (n - done).min(cap - at);
+                // SAFETY: `at + run <= cap`, inside this ring's data area; the bytes from `pos`
+                // to `head + cap` belong to the producer until it publishes `tail`.
+                unsafe { std::ptr::copy_nonoverlapping(buf.as_ptr().add(done), data.add(at), run) };
+                done += run;
+                pos += run as u64;
+            }
+            room -= n;
+            if n < buf.len() {
+                break;
+            }
+        }
+        let wrote = (pos - self.tail) as usize;
+        if wrote > 0 {
+            self.tail = pos;
+            self.seg.word(self.dir, TAIL).store(pos, Ordering::Release);
+        }
+        Ok(wrote)
+    }
+
+    /// After a write: whether the consumer asked for a doorbell (the request is taken, so
+    /// exactly one writer rings for it).
+    pub fn take_data_request(&self) -> bool {
+        fence(Ordering::SeqCst);
+        let flag = self.seg.flag(self.dir, WANT_DATA);
+        flag.load(Ordering::Relaxed) != 0 && flag.swap(0, Ordering::AcqRel) != 0
+    }
+
+    /// Ask the consumer for a doorbell when it frees room; true if there is room already (the
+    /// request then stands, and a doorbell may come anyway).
+    pub fn request_space(&self) -> Result<bool, ShmError> {
+        self.seg.flag(self.dir, WANT_SPACE).store(1, Ordering::Relaxed);
+        fence(Ordering::SeqCst);
+        Ok(self.free()? > 0)
+    }
+
+    /// Bytes written so far.
+    pub fn position(&self) -> u64 {
+        self.tail
+    }
+}
+
+/// The reading end of one ring. Its position is its own; it reads the producer's, and refuses
+/// one that breaks the invariant `head <= tail <= head + capacity`.
+#[derive(Debug)]
+pub struct Consumer {
+    seg: Segment,
+    dir: Direction,
+    head: u64,
+}
+
+impl Consumer {
+    /// Bytes waiting to be read.
+    pub fn available(&self) -> Result<usize, ShmError> {
+        let tail = self.seg.word(self.dir, TAIL).load(Ordering::Acquire);
+        let cap = self.seg.capacity;
+        match tail.checked_sub(self.head) {
+            Some(n) if n <= cap => Ok(n as usize),
+            _ => Err(ShmError::Corrupt(format!(
+                "the writer's position {tail} is not within {cap} bytes ahead of the reader's {}",
+                self.head
+            ))),
+        }
+    }
+
+    /// Copy up to `out.len()` waiting bytes into `out`, release their room, and return how many.
+    pub fn read(&mut self, out: &mut [u8]) -> Result<usize, ShmError> {
+        let n = self.available()?.min(out.len());
+        let cap = self.seg.capacity as usize;
+        let data = self.seg.data(self.dir);
+        let mut done = 0;
+        while done < n {
+            let at = ((self.head + done as u64) % cap as u64) as usize;
+            let run = (n - done).min(cap - at);
+            // SAFETY: `at + run <= cap`, inside this ring's data area; the bytes from `head` to
+            // `tail` belong to the consumer until it publishes `head`. A hostile writer may
+            // change them meanwhile: they are plain bytes, checked by the frame decoder.
+            unsafe { std::ptr::copy_nonoverlapping(data.add(at), out.as_mut_ptr().add(done), run) };
+            done += run;
+        }
+        if n > 0 {
+            self.head += n as u64;
+            self.seg.word(self.dir, HEAD).store(self.head, Ordering::Release);
+        }
+        Ok(n)
+    }
+
+    /// Ask the producer for a doorbell when it writes; true if bytes are waiting already (the
+    /// request then stands, and a doorbell may come anyway).
+    pub fn request_data(&self) -> Result<bool, ShmError> {
+        self.seg.flag(self.dir, WANT_DATA).store(1, Ordering::Relaxed);
+        fence(Ordering::SeqCst);
+        Ok(self.available()? > 0)
+    }
+
+    /// Withdraw a doorbell request (the reader is awake and reads anyway).
+    pub fn cancel_data_request(&self) {
+        self.seg.flag(self.dir, WANT_DATA).store(0, Ordering::Relaxed);
+    }
+
+    /// After a read: whether the producer asked for a doorbell when room frees up (the request
+    /// is taken, so exactly one reader rings for it).
+    pub fn take_space_request(&self) -> bool {
+        fence(Ordering::SeqCst);
+        let flag = self.seg.flag(self.dir, WANT_SPACE);
+        flag.load(Ordering::Relaxed) != 0 && flag.swap(0, Ordering::AcqRel) != 0
+    }
+
+    /// Bytes read so far.
+    pub fn position(&self) -> u64 {
+        self.head
+    }
+}
+
+/// Size of an [`Offer`]'s fixed part in bytes; the segment's name follows.
+pub const OFFER_LEN: usize = 40;
+/// The longest segment name an offer carries.
+pub const MAX_NAME_LEN: usize = 128;
+/// Size of an [`Answer`] in bytes.
+pub const ANSWER_LEN: usize = 8;
+const OFFER_MAGIC: [u8; 4] = *b"CoSO";
+const ANSWER_MAGIC: [u8; 4] = *b"CoSA";
+
+/// What the rank that dials a same-host peer sends after the handshake when both sides said
+/// they can share memory: where the segment is and how to know it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Offer {
+    /// The creator's boot id (`/proc/sys/kernel/random/boot_id` as 16 bytes): a peer on
+    /// another host (or another boot) declines without looking for the segment.
+    pub boot_id: [u8; 16],
+    /// The segment header's nonce.
+    pub nonce: u64,
+    /// Each ring's capacity.
+    pub capacity: u64,
+    /// The segment's file name under the shared-memory directory (`[A-Za-z0-9._-]`, no path).
+    pub name: String,
+}
+
+impl Offer {
+    /// The offer's bytes: the fixed part, then the name.
+    pub fn encode(&self) -> Vec<u8> {
+        let mut out = Vec::with_capacity(OFFER_LEN + self.name.len());
+        out.extend_from_slice(&OFFER_MAGIC);
+        out.extend_from_slice(&(self.name.len().min(MAX_NAME_LEN) as u16).to_le_bytes());
+        out.extend_from_slice(&[0, 0]);
+        out.extend_from_slice(&self.boot_id);
+        out.extend_from_slice(&self.nonce.to_le_bytes());
+        out.extend_from_slice(&self.capacity.to_le_bytes());
+        out.extend_from_slice(&self.name.as_bytes()[..self.name.len().min(MAX_NAME_LEN)]);
+        out
+    }
+
+    /// The length of the name that follows a fixed part (checked: at most [`MAX_NAME_LEN`]).
+    pub fn name_len(fixed: &[u8; OFFER_LEN]) -> Result<usize, ShmError> {
+        if fixed[0..4] != OFFER_MAGIC {
+            return Err(ShmError::Offer(format!("bad magic {:02x?}", &fixed[0..4])));
+        }
+        let len = u16::from_le_bytes([fixed[4], fixed[5]]) as usize;
+        if len == 0 || len > MAX_NAME_LEN {
+            return Err(ShmError::Offer(format!("name of {len} bytes (1 to {MAX_NAME_LEN} allowed)")));
+        }
+        Ok(len)
+    }
+
+    /// Decodes an offer from its fixed part and its name. Total.
+    pub fn decode(fixed: &[u8; OFFER_LEN], name: &[u8]) -> Result<Offer, ShmError> {
+        let len = Offer::name_len(fixed)?;
+        if name.len() != len {
+            return Err(ShmError::Offer(format!("name of {} bytes where the offer says {len}", name.len())));
+        }
+        if fixed[6..8] != [0, 0] {
+            return Err(ShmError::Offer("reserved bytes are not zero".into()));
+        }
+        let name = std::str::from_utf8(name)
+            .ok()
+            .filter(|n| n.bytes().all(|b| b.is_ascii_alphanumeric() || b"._-".contains(&b)) && !n.starts_with('.'))
+            .ok_or_else(|| {
+                ShmError::Offer(format!("segment name {:?} is not a plain file name", String::from_utf8_lossy(name)))
+            })?;
+        let capacity = u64::from_le_bytes(fixed[32..40].try_into().expect("8 bytes"));
+        check_capacity(capacity)?;
+        Ok(Offer {
+            boot_id: fixed[8..24].try_into().expect("16 bytes"),
+            nonce: u64::from_le_bytes(fixed[24..32].try_into().expect("8 bytes")),
+            capacity,
+            name: name.to_owned(),
+        })
+    }
+}
+
+/// The accepting side's answer to an [`Offer`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Answer {
+    /// The segment is mapped: frames go through it from now on.
+    Accept,
+    /// The peer runs on another host or boot.
+    OtherHost,
+    /// The segment could not be opened or mapped.
+    CannotMap,
+    /// The segment's header or size is not what the offer said.
+    Mismatch,
+    /// The offer was malformed.
+    BadOffer,
+}
+
+impl Answer {
+    /// The answer's bytes.
+    pub fn encode(self) -> [u8; ANSWER_LEN] {
+        let code = match self {
+            Answer::Accept => 0,
+            Answer::OtherHost => 1,
+            Answer::CannotMap => 2,
+            Answer::Mismatch => 3,
+            Answer::BadOffer => 4,
+        };
+        let mut out = [0u8; ANSWER_LEN];
+        out[0..4].copy_from_slice(&ANSWER_MAGIC);
+        out[4] = code;
+        out
+    }
+
+    /// Decodes an answer. Total.
+    pub fn decode(bytes: &[u8; ANSWER_LEN]) -> Result<Answer, ShmError> {
+        if bytes[0..4] != ANSWER_MAGIC || bytes[5..] != [0, 0, 0] {
+            return Err(ShmError::Offer(format!("malformed answer {bytes:02x?}")));
+        }
+        Ok(match bytes[4] {
+            0 => Answer::Accept,
+            1 => Answer::OtherHost,
+            2 => Answer::CannotMap,
+            3 => Answer::Mismatch,
+            4 => Answer::BadOffer,
+            code => return Err(ShmError::Offer(format!("unknown answer code {code}"))),
+        })
+    }
+}
+
+impl std::fmt::Display for Answer {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            Answer::Accept => "accepted",
+            Answer::OtherHost => "the peer runs on another host",
+            Answer::CannotMap => "the peer could not map the segment",
+            Answer::Mismatch => "the segment the peer found is not the one offered",
+            Answer::BadOffer => "the peer could not read the offer",
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn pair(capacity: u64) -> (Producer, Consumer, Segment) {
+        let seg = Segment::in_heap(capacity).unwrap();
+        seg.init(&SegmentHeader { nonce: 7, capacity, creator: Rank(0), acceptor: Rank(1), group: GroupId(0) });
+        (seg.producer(Direction::FromCreator), seg.consumer(Direction::FromCreator), seg)
+    }
+
+    #[test]
+    fn bytes_come_out_in_order_across_the_wrap_and_a_full_ring_takes_nothing() {
+        let (mut p, mut c, seg) = pair(4096);
+        assert_eq!(seg.header().unwrap().nonce, 7);
+        let mut out = vec![0u8; 10_000];
+        let mut sent = Vec::new();
+        let mut got = Vec::new();
+        for round in 0..50u32 {
+            let chunk: Vec<u8> = (0..(round * 397) % 3000).map(|i| (i + round) as u8).collect();
+            let n = p.write(&[&chunk[..chunk.len() / 2], &chunk[chunk.len() / 2..]]).unwrap();
+            sent.extend_from_slice(&chunk[..n]);
+            let m = c.read(&mut out[..(round as usize * 131) % 5000]).unwrap();
+            got.extend_from_slice(&out[..m]);
+            assert!(p.free().unwrap() + c.available().unwrap() == 4096);
+        }
+        let m = c.read(&mut out).unwrap();
+        got.extend_from_slice(&out[..m]);
+        assert_eq!(got, sent);
+        assert_eq!(p.write(&[&[1u8; 5000]]).unwrap(), 4096);
+        assert_eq!(p.write(&[&[1u8; 1]]).unwrap(), 0, "full");
+        assert!(!p.request_space().unwrap());
+    }
+
+    #[test]
+    fn a_doorbell_request_is_taken_once_and_seen_by_a_late_look() {
+        let (mut p, mut c, _seg) = pair(4096);
+        assert!(!c.request_data().unwrap(), "empty: the consumer may sleep");
+        p.write(&[b"abc"]).unwrap();
+        assert!(p.take_data_request(), "the sleeper asked: ring");
+        assert!(!p.take_data_request(), "once");
+        assert!(c.request_data().unwrap(), "bytes wait: do not sleep");
+        c.cancel_data_request();
+        assert!(!p.take_data_request());
+        let mut out = [0u8; 8];
+        assert_eq!(c.read(&mut out).unwrap(), 3);
+        assert_eq!(p.write(&[&[0u8; 4096]]).unwrap(), 4096);
+        assert!(!p.request_space().unwrap(), "full: the producer may wait");
+        c.read(&mut out).unwrap();
+        assert!(c.take_space_request(), "the waiter asked: ring");
+        assert!(!c.take_space_request(), "once");
+    }
+
+    #[test]
+    fn positions_a_peer_corrupted_are_errors_that_say_so() {
+        let (mut p, mut c, seg) = pair(4096);
+        seg.word(Direction::FromCreator, TAIL).store(5000, Ordering::Relaxed);
+        let e = c.read(&mut [0u8; 8]).unwrap_err();
+        assert_eq!(
+            e.to_string(),
+            "shared ring corrupt: the writer's position 5000 is not within 4096 bytes ahead of the reader's 0"
+        );
+        seg.word(Direction::FromCreator, HEAD).store(1, Ordering::Relaxed);
+        assert!(matches!(p.write(&[b"x"]), Err(ShmError::Corrupt(_))), "a reader ahead of the writer");
+        seg.word(Direction::FromCreator, HEAD).store(0, Ordering::Relaxed);
+        seg.word(Direction::FromCreator, TAIL).store(u64::MAX, Ordering::Relaxed);
+        assert!(c.available().is_err());
+    }
+
+    #[test]
+    fn headers_offers_and_answers_round_trip_and_junk_is_refused() {
+        let h = SegmentHeader { nonce: 9, capacity: 1 << 20, creator: Rank(3), acceptor: Rank(5), group: GroupId(2) };
+        assert_eq!(SegmentHeader::decode(&h.encode()).unwrap(), h);
+        let mut bad = h.encode();
+        bad[16] = 3;
+        assert_eq!(SegmentHeader::decode(&bad), Err(ShmError::BadCapacity((1 << 20) + 3)));
+        let offer = Offer { boot_id: [4; 16], nonce: 11, capacity: 1 << 16, name: "cohort-1-2-abc".into() };
+        let bytes = offer.encode();
+        let fixed: [u8; OFFER_LEN] = bytes[..OFFER_LEN].try_into().unwrap();
+        assert_eq!(Offer::name_len(&fixed).unwrap(), 14);
+        assert_eq!(Offer::decode(&fixed, &bytes[OFFER_LEN..]).unwrap(), offer);
+        for name in ["../etc/passwd", "a/b", ".hidden", "sp ace"] {
+            let o = Offer { name: name.into(), ..offer.clone() }.encode();
+            let fixed: [u8; OFFER_LEN] = o[..OFFER_LEN].try_into().unwrap();
+            let e = Offer::decode(&fixed, &o[OFFER_LEN..]).unwrap_err();
+            assert!(e.to_string().contains("not a plain file name"), "{name}: {e}");
+        }
+        for a in [Answer::Accept, Answer::OtherHost, Answer::CannotMap, Answer::Mismatch, Answer::BadOffer] {
+            assert_eq!(Answer::decode(&a.encode()).unwrap(), a);
+        }
+        assert!(Answer::decode(b"CoSA\x09\0\0\0").is_err());
+    }
+
+    #[test]
+    fn a_mapping_of_the_wrong_size_or_alignment_is_refused() {
+        let seg = Segment::in_heap(4096).unwrap();
+        let len = segment_len(4096).unwrap();
+        // SAFETY: never dereferenced: both calls are refused before a view exists.
+        let short = unsafe { Segment::from_raw(seg.base.as_ptr(), len - 64, 4096, Arc::new(())) };
+        assert!(matches!(short, Err(ShmError::BadMapping { .. })));
+        // SAFETY: as above.
+        let odd = unsafe { Segment::from_raw(seg.base.as_ptr().wrapping_add(8), len, 4096, Arc::new(())) };
+        assert!(matches!(odd, Err(ShmError::BadMapping { align: 8, .. })));
+        assert_eq!(segment_len(3000), Err(ShmError::BadCapacity(3000)));
+    }
+
+    proptest::proptest! {
+        #[test]
+        fn any_interleaving_of_writes_and_reads_delivers_the_bytes_in_order(
+            ops in proptest::collection::vec((0usize..9000, 0usize..9000), 1..40),
+        ) {
+            let (mut p, mut c, _seg) = pair(4096);
+            let (mut sent, mut got) = (Vec::new(), Vec::new());
+            let mut out = vec![0u8; 9000];
+            for (i, (w, r)) in ops.into_iter().enumerate() {
+                let chunk: Vec<u8> = (0..w).map(|j| (i * 31 + j) as u8).collect();
+                let n = p.write(&[&chunk]).unwrap();
+                sent.extend_from_slice(&chunk[..n]);
+                let m = c.read(&mut out[..r]).unwrap();
+                got.extend_from_slice(&out[..m]);
+            }
+            loop {
+                let m = c.read(&mut out).unwrap();
+                if m == 0 { break; }
+                got.extend_from_slice(&out[..m]);
+            }
+            proptest::prop_assert_eq!(got, sent);
+        }
+    }
+}
