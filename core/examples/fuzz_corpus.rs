@@ -52,8 +52,11 @@ fn main() {
         connection: 0,
         connections_per_peer: 1,
         auth_nonce: None,
+        shares_memory: false,
     };
     write(&dir, "handshake_decode", "plain", &hs.encode());
+    let sharing = Handshake { shares_memory: true, ..hs };
+    write(&dir, "handshake_decode", "shares_memory", &sharing.encode());
     let token = Handshake { auth_nonce: Some(AuthNonce([7; 32])), connection: 1, ..hs };
     write(&dir, "handshake_decode", "token", &token.encode());
     write(&dir, "handshake_decode", "accept", &HandshakeReply::Accept.encode());
@@ -116,5 +119,19 @@ fn main() {
     let mut seed = vec![4u8];
     seed.extend_from_slice(g.dump().to_json().as_bytes());
     write(&dir, "recorder_load", "cohort_dump", &seed);
+
+    // Shared memory: an offer, an answer and a segment header, each as the start of an input.
+    let offer =
+        cohort_core::shm::Offer { boot_id: [9; 16], nonce: 5, capacity: 1 << 22, name: "cohort-42-0abc".into() };
+    write(&dir, "shm_ring", "offer", &offer.encode());
+    write(&dir, "shm_ring", "answer", &cohort_core::shm::Answer::Accept.encode());
+    let header = cohort_core::shm::SegmentHeader {
+        nonce: 5,
+        capacity: 1 << 22,
+        creator: Rank(0),
+        acceptor: Rank(1),
+        group: GroupId(0),
+    };
+    write(&dir, "shm_ring", "header", &header.encode());
     println!("seed corpora written under {}", dir.display());
 }

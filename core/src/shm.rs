@@ -325,7 +325,7 @@ impl Producer {
     }
 
     /// Copy as much of `bufs` (in order) as fits, publish it, and return how many bytes went.
-    pub fn write(&mut self, bufs: &[&[u8]]) -> Result<usize, ShmError> {
+    pub fn write<'a>(&mut self, bufs: impl IntoIterator<Item = &'a [u8]>) -> Result<usize, ShmError> {
         let mut room = self.free()?;
         let cap = self.seg.capacity as usize;
         let data = self.seg.data(self.dir);
@@ -603,7 +603,7 @@ mod tests {
         let mut got = Vec::new();
         for round in 0..50u32 {
             let chunk: Vec<u8> = (0..(round * 397) % 3000).map(|i| (i + round) as u8).collect();
-            let n = p.write(&[&chunk[..chunk.len() / 2], &chunk[chunk.len() / 2..]]).unwrap();
+            let n = p.write([&chunk[..chunk.len() / 2], &chunk[chunk.len() / 2..]]).unwrap();
             sent.extend_from_slice(&chunk[..n]);
             let m = c.read(&mut out[..(round as usize * 131) % 5000]).unwrap();
             got.extend_from_slice(&out[..m]);
@@ -612,8 +612,8 @@ mod tests {
         let m = c.read(&mut out).unwrap();
         got.extend_from_slice(&out[..m]);
         assert_eq!(got, sent);
-        assert_eq!(p.write(&[&[1u8; 5000]]).unwrap(), 4096);
-        assert_eq!(p.write(&[&[1u8; 1]]).unwrap(), 0, "full");
+        assert_eq!(p.write([&[1u8; 5000][..]]).unwrap(), 4096);
+        assert_eq!(p.write([&[1u8; 1][..]]).unwrap(), 0, "full");
         assert!(!p.request_space().unwrap());
     }
 
@@ -621,7 +621,7 @@ mod tests {
     fn a_doorbell_request_is_taken_once_and_seen_by_a_late_look() {
         let (mut p, mut c, _seg) = pair(4096);
         assert!(!c.request_data().unwrap(), "empty: the consumer may sleep");
-        p.write(&[b"abc"]).unwrap();
+        p.write([&b"abc"[..]]).unwrap();
         assert!(p.take_data_request(), "the sleeper asked: ring");
         assert!(!p.take_data_request(), "once");
         assert!(c.request_data().unwrap(), "bytes wait: do not sleep");
@@ -629,7 +629,7 @@ mod tests {
         assert!(!p.take_data_request());
         let mut out = [0u8; 8];
         assert_eq!(c.read(&mut out).unwrap(), 3);
-        assert_eq!(p.write(&[&[0u8; 4096]]).unwrap(), 4096);
+        assert_eq!(p.write([&[0u8; 4096][..]]).unwrap(), 4096);
         assert!(!p.request_space().unwrap(), "full: the producer may wait");
         c.read(&mut out).unwrap();
         assert!(c.take_space_request(), "the waiter asked: ring");
@@ -646,7 +646,7 @@ mod tests {
             "shared ring corrupt: the writer's position 5000 is not within 4096 bytes ahead of the reader's 0"
         );
         seg.word(Direction::FromCreator, HEAD).store(1, Ordering::Relaxed);
-        assert!(matches!(p.write(&[b"x"]), Err(ShmError::Corrupt(_))), "a reader ahead of the writer");
+        assert!(matches!(p.write([&b"x"[..]]), Err(ShmError::Corrupt(_))), "a reader ahead of the writer");
         seg.word(Direction::FromCreator, HEAD).store(0, Ordering::Relaxed);
         seg.word(Direction::FromCreator, TAIL).store(u64::MAX, Ordering::Relaxed);
         assert!(c.available().is_err());
@@ -699,7 +699,7 @@ mod tests {
             let mut out = vec![0u8; 9000];
             for (i, (w, r)) in ops.into_iter().enumerate() {
                 let chunk: Vec<u8> = (0..w).map(|j| (i * 31 + j) as u8).collect();
-                let n = p.write(&[&chunk]).unwrap();
+                let n = p.write([&chunk[..]]).unwrap();
                 sent.extend_from_slice(&chunk[..n]);
                 let m = c.read(&mut out[..r]).unwrap();
                 got.extend_from_slice(&out[..m]);

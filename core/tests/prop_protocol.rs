@@ -89,16 +89,22 @@ fn small_frame() -> impl Strategy<Value = Frame> {
 }
 
 fn handshake() -> impl Strategy<Value = Handshake> {
-    (any::<u32>(), any::<u32>(), any::<u32>(), any::<u16>(), any::<u8>(), prop::option::of(any::<[u8; 32]>())).prop_map(
-        |(group, rank, world_size, connection, connections_per_peer, token)| Handshake {
-            group: GroupId(group),
-            rank: Rank(rank),
-            world_size,
-            connection,
-            connections_per_peer,
-            auth_nonce: token.map(AuthNonce),
-        },
+    (
+        (any::<u32>(), any::<u32>(), any::<u32>(), any::<u16>(), any::<u8>()),
+        prop::option::of(any::<[u8; 32]>()),
+        any::<bool>(),
     )
+        .prop_map(|((group, rank, world_size, connection, connections_per_peer), token, shares_memory)| {
+            Handshake {
+                group: GroupId(group),
+                rank: Rank(rank),
+                world_size,
+                connection,
+                connections_per_peer,
+                auth_nonce: token.map(AuthNonce),
+                shares_memory,
+            }
+        })
 }
 
 /// Header bytes with the right magic and version, so that arbitrary bytes reach the deeper

@@ -58,7 +58,7 @@ fuzz_target!(|bytes: &[u8]| {
         match op {
             Op::Write(n) => {
                 let chunk: Vec<u8> = (0..n as usize).map(|j| (i + j) as u8).collect();
-                match p.write(&[&chunk]) {
+                match p.write([&chunk[..]]) {
                     Ok(w) => {
                         assert!(w <= chunk.len());
                         sent.extend_from_slice(&chunk[..w]);

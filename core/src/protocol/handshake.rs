@@ -22,6 +22,11 @@ pub const MAX_REPLY_MESSAGE_LEN: usize = 4096;
 /// Flag bit: the sender authenticates; the handshake carries its challenge.
 const FLAG_AUTH: u8 = 0b1;
 
+/// Flag bit: the sender can share memory with a peer on its host (see
+/// [`crate::shm`]); when both sides of a pair's first connection set it, the dialer offers a
+/// segment right after the replies.
+const FLAG_SHM: u8 = 0b10;
+
 /// What a rank says about itself when it opens (or accepts) a connection. See the
 /// [module docs](super) for the layout and the connection sequence.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -38,6 +43,8 @@ pub struct Handshake {
     pub connections_per_peer: u8,
     /// The sender's challenge, when it authenticates (see [`super::auth`]).
     pub auth_nonce: Option<AuthNonce>,
+    /// The sender can share memory with a peer on its host (see [`crate::shm`]).
+    pub shares_memory: bool,
 }
 
 impl Handshake {
@@ -51,8 +58,11 @@ impl Handshake {
         out[12..16].copy_from_slice(&self.rank.0.to_le_bytes());
         out[16..20].copy_from_slice(&self.world_size.to_le_bytes());
         out[21] = self.connections_per_peer;
+        if self.shares_memory {
+            out[20] |= FLAG_SHM;
+        }
         if let Some(nonce) = &self.auth_nonce {
-            out[20] = FLAG_AUTH;
+            out[20] |= FLAG_AUTH;
             out[24..56].copy_from_slice(&nonce.0);
         }
         out
@@ -71,7 +81,7 @@ impl Handshake {
             return Err(HandshakeError::VersionMismatch { peer: version });
         }
         let flags = bytes[20];
-        if flags & !FLAG_AUTH != 0 {
+        if flags & !(FLAG_AUTH | FLAG_SHM) != 0 {
             return Err(HandshakeError::UnknownFlags { flags });
         }
         if let Some((offset, found)) = (22..24).map(|i| (i, bytes[i])).find(|&(_, b)| b != 0) {
@@ -92,6 +102,7 @@ impl Handshake {
             connection: u16::from_le_bytes(read_array(bytes, 6)),
             connections_per_peer: bytes[21],
             auth_nonce,
+            shares_memory: flags & FLAG_SHM != 0,
         })
     }
 
@@ -198,6 +209,7 @@ impl HandshakeExpectation {
                 self.connections_per_peer as u8
             },
             auth_nonce: None,
+            shares_memory: false,
         }
     }
 }
@@ -626,6 +638,8 @@ mod tests {
         assert_eq!(Handshake::decode(&plain.encode()), Ok(plain));
         let with_nonce = Handshake { auth_nonce: Some(NONCE), ..peer() };
         assert_eq!(Handshake::decode(&with_nonce.encode()), Ok(with_nonce));
+        let sharing = Handshake { shares_memory: true, ..with_nonce };
+        assert_eq!(Handshake::decode(&sharing.encode()), Ok(sharing));
     }
 
     #[test]
@@ -637,6 +651,7 @@ mod tests {
             connection: 0x0102,
             connections_per_peer: 4,
             auth_nonce: Some(AuthNonce([0xee; 32])),
+            shares_memory: true,
         };
         let b = h.encode();
         assert_eq!(&b[0..4], b"CoHS");
@@ -645,7 +660,7 @@ mod tests {
         assert_eq!(&b[8..12], &[0x0d, 0x0c, 0x0b, 0x0a]);
         assert_eq!(&b[12..16], &[3, 0, 0, 0]);
         assert_eq!(&b[16..20], &[8, 0, 0, 0]);
-        assert_eq!(&b[20..24], &[1, 4, 0, 0]);
+        assert_eq!(&b[20..24], &[3, 4, 0, 0], "flags: auth and shared memory");
         assert_eq!(&b[24..56], &[0xee; 32]);
     }
 
@@ -673,9 +688,9 @@ mod tests {
     #[test]
     fn decode_refuses_unknown_flags_reserved_bytes_and_stray_challenges() {
         let mut b = peer().encode();
-        b[20] = 0x03;
-        assert_eq!(Handshake::decode(&b), Err(HandshakeError::UnknownFlags { flags: 0x03 }));
-        assert_eq!(HandshakeError::UnknownFlags { flags: 3 }.to_string(), "unknown handshake flags 0x03");
+        b[20] = 0x05;
+        assert_eq!(Handshake::decode(&b), Err(HandshakeError::UnknownFlags { flags: 0x05 }));
+        assert_eq!(HandshakeError::UnknownFlags { flags: 5 }.to_string(), "unknown handshake flags 0x05");
 
         let mut b = peer().encode();
         b[22] = 9;

@@ -45,7 +45,7 @@
 //! | 8 | 4 | group | group id the connection serves |
 //! | 12 | 4 | rank | the sender's rank |
 //! | 16 | 4 | world size | the sender's world size |
-//! | 20 | 1 | flags | bit 0: the sender authenticates (see [`auth`]); other bits 0 |
+//! | 20 | 1 | flags | bit 0: the sender authenticates (see [`auth`]); bit 1: it can share memory (see [`crate::shm`]); other bits 0 |
 //! | 21 | 1 | connections per peer (both sides must agree) | 1 and up |
 //! | 22 | 2 | reserved | 0 |
 //! | 24 | 32 | auth challenge | the sender's fresh [`AuthNonce`], or 32 zero bytes |
