@@ -615,6 +615,20 @@ impl Backend for Tcp {
         self.0.world_size()
     }
 
+    fn describe(&self) -> Option<String> {
+        let shared = self.0.shared_memory_peers();
+        let peers = self.0.world_size().saturating_sub(1);
+        Some(match shared.as_slice() {
+            [] => format!("rank {}: TCP to every peer (no shared memory)", self.rank()),
+            _ => format!(
+                "rank {}: shared memory with ranks {} ({} of {peers} peers; TCP to the others)",
+                self.rank(),
+                cohort_core::work::rank_ranges(&shared),
+                shared.len(),
+            ),
+        })
+    }
+
     fn time(&mut self, args: &BenchArgs, shape: Shape) -> Result<Timing, String> {
         let pg = &self.0;
         let me = pg.rank().0;

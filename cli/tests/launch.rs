@@ -184,13 +184,25 @@ impl Drop for Streamed {
 /// The scenario: 4 ranks in an allreduce loop, one SIGKILLed. The launcher lets the
 /// survivors fail on their own (no SIGTERM within the grace), so every survivor's error naming
 /// the dead rank reaches the launcher's output within 50 ms of the kill, and the summary names
-/// the first failure and quotes each survivor's last error line.
+/// the first failure and quotes each survivor's last error line. The ranks share one host, so
+/// their frames go through shared memory; the socket each pair keeps is what tells of the kill.
 #[test]
 fn every_survivor_names_a_sigkilled_rank_through_the_launcher_within_50_ms() {
+    sigkilled_rank_is_named_within_50_ms(true);
+}
+
+/// The same over TCP alone (`COHORT_SHM=0`).
+#[test]
+fn every_survivor_names_a_sigkilled_rank_within_50_ms_over_tcp_alone() {
+    sigkilled_rank_is_named_within_50_ms(false);
+}
+
+fn sigkilled_rank_is_named_within_50_ms(shared_memory: bool) {
     use std::time::{Duration, Instant};
     let cohort = env!("CARGO_BIN_EXE_cohort");
     // `exec` keeps the pid the shell printed, so the test can kill the rank itself.
-    let rank = format!("echo pid $$; exec {cohort} bench -b 1K -e 1K -n 1000000 -w 0");
+    let shm = if shared_memory { 1 } else { 0 };
+    let rank = format!("echo pid $$; COHORT_SHM={shm} exec {cohort} bench -b 1K -e 1K -n 1000000 -w 0");
     let mut job = Streamed::start(&["launch", "-n", "4", "--", "sh", "-c", &rank]);
     let mut seen = Vec::new();
     let mut pid = None;
@@ -250,6 +262,12 @@ fn every_survivor_names_a_sigkilled_rank_through_the_launcher_within_50_ms() {
     assert!(delays_ms.iter().all(|&d| d < 50.0), "{delays_ms:?} ms: {seen:#?}");
     assert_eq!(status.code(), Some(128 + 9), "{seen:#?}");
     let has = |s: &str| seen.iter().any(|l| l.contains(s));
+    let path = if shared_memory {
+        "[rank 0] # rank 0: shared memory with ranks [1-3] (3 of 3 peers; TCP to the others)"
+    } else {
+        "[rank 0] # rank 0: TCP to every peer (no shared memory)"
+    };
+    assert!(has(path), "{seen:#?}");
     assert!(has("cohort launch: rank 3 was killed by signal 9 (SIGKILL); stopping the other ranks"), "{seen:#?}");
     assert!(!has("sending SIGTERM"), "{seen:#?}");
     assert!(has("cohort launch: summary: rank 3 failed first: it was killed by signal 9 (SIGKILL)"), "{seen:#?}");

@@ -257,6 +257,9 @@ impl Job {
                     .env("COHORT_TEST_GO", go)
                     .env("COHORT_TEST_LINGER_MS", "2000")
                     .env("COHORT_SOCKET_IFNAME", "eth0")
+                    // Each namespace stands for a host of its own: ranks of one machine would
+                    // share memory, and no network cut would come between them.
+                    .env("COHORT_SHM", "0")
                     .env("COHORT_INIT_TIMEOUT_MS", "20000")
                     .env("COHORT_HEARTBEAT_MS", "100")
                     .env("COHORT_PEER_DEAD_AFTER_MS", "1000")

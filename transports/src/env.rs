@@ -84,6 +84,8 @@ vars! {
     LAZY_INIT = ["COHORT_LAZY_INIT", "TORCH_GLOO_LAZY_INIT"];
     /// TCP: the interface to listen on.
     SOCKET_IFNAME = ["COHORT_SOCKET_IFNAME"];
+    /// TCP: shared memory between ranks of one host.
+    SHM = ["COHORT_SHM"];
     /// NCCL: a blocking communicator.
     NCCL_BLOCKING = ["COHORT_NCCL_BLOCKING"];
     /// NCCL: blocking-wait mode.

@@ -37,6 +37,11 @@ pub trait Net: Clone + Send + Sync + 'static {
     fn into_tcp(stream: Self::Stream) -> Result<TcpStream, Self::Stream> {
         Err(stream)
     }
+
+    /// Whether two ranks of one host may exchange frames through shared memory on this
+    /// network (real sockets only: the simulator's hosts share no memory that its faults
+    /// could cut).
+    const SHARES_MEMORY: bool = false;
 }
 
 /// A bound listener.
@@ -76,6 +81,8 @@ pub struct TokioListener {
 }
 
 impl Net for TokioNet {
+    const SHARES_MEMORY: bool = true;
+
     type Stream = TcpStream;
     type Listener = TokioListener;
 

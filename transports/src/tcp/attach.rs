@@ -13,6 +13,7 @@ use tokio::sync::mpsc;
 
 use super::Inner;
 use super::link;
+use super::shm::ShmLink;
 use super::socket;
 use super::state::deliver;
 
@@ -21,7 +22,9 @@ use super::state::deliver;
 /// close tally. The caller has counted the connection in the tally. A stream that `into_tcp`
 /// (the network's [`Net::into_tcp`](crate::net::Net::into_tcp)) finds to be a real TCP socket
 /// takes the fast path (see [`super::socket`]). `index`: the connection's place in the peer's
-/// set (connection 0 carries the small frames of both directions).
+/// set (connection 0 carries the small frames of both directions). `shm`: the shared memory
+/// the pair agreed on for this connection, whose rings then carry its frames (only on the fast
+/// path: a connection that cannot take it is closed, since the peer writes to the ring).
 pub(crate) fn attach<S>(
     inner: &Arc<Inner>,
     peer: Rank,
@@ -29,11 +32,13 @@ pub(crate) fn attach<S>(
     into_tcp: fn(S) -> Result<tokio::net::TcpStream, S>,
     rx: link::LaneRx,
     index: usize,
+    shm: Option<ShmLink>,
 ) where
     S: AsyncRead + AsyncWrite + Send + 'static,
 {
     let tcp = match into_tcp(stream) {
-        Err(stream) => return attach_generic(inner, peer, stream, rx),
+        Err(stream) if shm.is_none() => return attach_generic(inner, peer, stream, rx),
+        Err(_) => return refuse(inner, peer, "shared memory was agreed on a connection that is no TCP socket".into()),
         Ok(tcp) => tcp,
     };
     let taken = {
@@ -41,19 +46,21 @@ pub(crate) fn attach<S>(
         socket::take(tcp)
     };
     match taken {
-        Ok(fast) => attach_fast(inner, peer, fast, rx, index == 0),
-        Err((e, Some(tcp))) => {
+        Ok(fast) => attach_fast(inner, peer, fast, rx, index == 0, shm.as_ref()),
+        Err((e, Some(tcp))) if shm.is_none() => {
             tracing::debug!(%peer, "no fast path for this connection ({e})");
             attach_generic(inner, peer, tcp, rx);
         }
-        Err((e, None)) => {
-            let Some(tally) = inner.tallies.get(peer.index()) else { return };
-            let closed =
-                link::Inbound::Closed { from: peer, reason: format!("could not take the socket: {e}"), clean: false };
-            if tally.pass(&closed) {
-                inner.input(|st, fx| deliver(st, fx, closed));
-            }
-        }
+        Err((e, _)) => refuse(inner, peer, format!("could not take the socket: {e}")),
+    }
+}
+
+/// Close a connection that cannot be served, through the peer's tally.
+fn refuse(inner: &Arc<Inner>, peer: Rank, reason: String) {
+    let Some(tally) = inner.tallies.get(peer.index()) else { return };
+    let closed = link::Inbound::Closed { from: peer, reason, clean: false };
+    if tally.pass(&closed) {
+        inner.input(|st, fx| deliver(st, fx, closed));
     }
 }
 
@@ -82,18 +89,35 @@ where
     inner.reader_tasks.lock().unwrap_or_else(|p| p.into_inner()).push(reader);
 }
 
-fn attach_fast(inner: &Arc<Inner>, peer: Rank, fast: socket::FastSocket, rx: link::LaneRx, shared: bool) {
+fn attach_fast(
+    inner: &Arc<Inner>,
+    peer: Rank,
+    fast: socket::FastSocket,
+    rx: link::LaneRx,
+    shared: bool,
+    shm: Option<&ShmLink>,
+) {
     let Some(tally) = inner.tallies.get(peer.index()).cloned() else { return };
     let fast = Arc::new(fast);
     let limits = FrameLimits::new(inner.opts.max_frame);
     let pool = inner.lock().pool.clone();
     let asm = link::Assembler::new(peer, limits, pool);
-    let reader = Arc::new(socket::FastReader::new(fast.clone(), asm, tally.clone(), shared));
+    let path = shm.map(|link| socket::ShmPath::new(link, fast.std()));
+    let reader = Arc::new(socket::FastReader::new(fast.clone(), asm, tally.clone(), shared, path.clone()));
     inner.readers.write().unwrap_or_else(|p| p.into_inner()).push(reader.clone());
-    rx.gate.open(fast.std());
     let err_tx = spawn_error_relay(inner, tally);
-    let w = socket::SharedWrite(fast);
-    let writer = inner.runtime.spawn(link::run_writer(inner.rank, peer, w, rx, err_tx));
+    let writer = match path {
+        Some(path) => {
+            rx.gate.open(path.wire());
+            let w = socket::ShmWrite(path);
+            inner.runtime.spawn(link::run_writer(inner.rank, peer, w, rx, err_tx))
+        }
+        None => {
+            rx.gate.open(fast.std());
+            let w = socket::SharedWrite(fast);
+            inner.runtime.spawn(link::run_writer(inner.rank, peer, w, rx, err_tx))
+        }
+    };
     let reader = inner.runtime.spawn(socket::run_reader(reader, Arc::downgrade(inner), peer));
     inner.writers.lock().unwrap_or_else(|p| p.into_inner()).push(writer);
     inner.reader_tasks.lock().unwrap_or_else(|p| p.into_inner()).push(reader);

@@ -33,7 +33,7 @@ use super::attach::attach;
 use super::link;
 use super::options::TcpOptions;
 use super::rendezvous::{
-    Accepted, HandshakeFailure, InitError, accepted_handshake, addr_key, all_published_key, dial_one, error_key,
+    Accepted, Conn, HandshakeFailure, InitError, accepted_handshake, addr_key, all_published_key, dial_one, error_key,
     is_misconfigured_rank, published_count_key,
 };
 use super::state::DriverState;
@@ -128,17 +128,25 @@ impl ProcessGroup {
             let lower = me.0 < peer as u32;
             let mine = if lower { 0..k } else { k..2 * k };
             let mut lanes = Vec::with_capacity(k + 1);
-            for (index, s) in conns.into_iter().enumerate() {
+            // Over shared memory, everything goes on connection 0: the segment is its.
+            let shared = conns.first().is_some_and(|(_, shm)| shm.is_some());
+            for (index, (s, shm)) in conns.into_iter().enumerate() {
                 tallies[peer].add();
                 if index == 0 || mine.contains(&index) {
                     let (tx, rx) = link::lane();
                     lanes.push(tx);
-                    attached.push((Rank(peer as u32), s, Some(rx), index));
+                    attached.push((Rank(peer as u32), s, Some(rx), index, shm));
                 } else {
-                    attached.push((Rank(peer as u32), s, None, index));
+                    attached.push((Rank(peer as u32), s, None, index, shm));
                 }
             }
-            let bulk = if lower { 0..k } else { 1..k + 1 };
+            let bulk = if shared {
+                0..0
+            } else if lower {
+                0..k
+            } else {
+                1..k + 1
+            };
             writers.push(Some(Box::new(link::Lanes::with_bulk(lanes, bulk))));
         }
         let lazy = opts.lazy_connect.then_some(k);
@@ -179,9 +187,9 @@ impl ProcessGroup {
                 progress,
             }
         });
-        for (peer, stream, rx, index) in attached {
+        for (peer, stream, rx, index, shm) in attached {
             let rx = rx.unwrap_or_else(|| inner.lock().idle_writer());
-            attach(&inner, peer, stream, N::into_tcp, rx, index);
+            attach(&inner, peer, stream, N::into_tcp, rx, index, shm);
         }
         let weak = Arc::downgrade(&inner);
         let mut tasks = vec![
@@ -191,7 +199,8 @@ impl ProcessGroup {
         ];
         if let Some(listener) = lazy_listener {
             let expect = HandshakeExpectation::new(gid, me, world_size).with_connections_per_peer(k);
-            tasks.push(tokio::spawn(super::lazy::serve_accepts(listener, weak, expect, secret)));
+            let shm = N::SHARES_MEMORY && inner.opts.shared_memory;
+            tasks.push(tokio::spawn(super::lazy::serve_accepts(listener, weak, expect, secret, shm)));
         }
         inner.tasks.lock().unwrap_or_else(|p| p.into_inner()).extend(tasks);
         inner.timer.notify_one();
@@ -309,8 +318,8 @@ async fn mesh<N: Net>(
     me: Rank,
     world_size: u32,
     opts: &TcpOptions,
-) -> Result<Vec<Vec<N::Stream>>, InitError> {
-    let mut streams: Vec<Vec<N::Stream>> = (0..world_size).map(|_| Vec::new()).collect();
+) -> Result<Vec<Vec<Conn<N::Stream>>>, InitError> {
+    let mut streams: Vec<Vec<Conn<N::Stream>>> = (0..world_size).map(|_| Vec::new()).collect();
     if world_size == 1 {
         return Ok(streams);
     }
@@ -326,11 +335,11 @@ async fn mesh<N: Net>(
     // a rank of this job that is misconfigured (wrong world size, impossible rank, another
     // number of connections per peer) fails the rendezvous.
     let accept = async {
-        let mut got: BTreeMap<u32, BTreeMap<u16, N::Stream>> = BTreeMap::new();
+        let mut got: BTreeMap<u32, BTreeMap<u16, Conn<N::Stream>>> = BTreeMap::new();
         // Connections refused for failing authentication, by the rank they claimed: a rank
         // that never connects is then reported with the reason.
         let mut refused: BTreeMap<u32, HandshakeError> = BTreeMap::new();
-        let complete = |got: &BTreeMap<u32, BTreeMap<u16, N::Stream>>| {
+        let complete = |got: &BTreeMap<u32, BTreeMap<u16, Conn<N::Stream>>>| {
             got.values().filter(|conns| conns.len() == usize::from(k)).count() as u32
         };
         let mut pending: tokio::task::JoinSet<Accepted<N::Stream>> = tokio::task::JoinSet::new();
@@ -340,10 +349,10 @@ async fn mesh<N: Net>(
                 done = pending.join_next(), if !pending.is_empty() => {
                     let Some(Ok((remote, stream, result))) = done else { continue };
                     match result {
-                        Ok((peer, index)) if peer.0 > me.0 && !got.get(&peer.0).is_some_and(|c| c.contains_key(&index)) => {
-                            got.entry(peer.0).or_default().insert(index, stream);
+                        Ok((peer, index, shm)) if peer.0 > me.0 && !got.get(&peer.0).is_some_and(|c| c.contains_key(&index)) => {
+                            got.entry(peer.0).or_default().insert(index, (stream, shm));
                         }
-                        Ok((peer, index)) => {
+                        Ok((peer, index, _)) => {
                             tracing::warn!(%remote, "dropping a second connection {index} claiming rank {peer}");
                         }
                         Err(HandshakeFailure::Refused(e)) if is_misconfigured_rank(&e) => {
@@ -363,7 +372,8 @@ async fn mesh<N: Net>(
                 accepted = tokio::time::timeout_at(deadline, listener.accept()) => match accepted {
                     Ok(Ok((stream, remote))) => {
                         let limit = HANDSHAKE_TIMEOUT.min(opts.init_timeout);
-                        pending.spawn(accepted_handshake(stream, remote, expect, opts.auth.clone(), limit));
+                        let shm = N::SHARES_MEMORY && opts.shared_memory;
+                        pending.spawn(accepted_handshake(stream, remote, expect, opts.auth.clone(), limit, shm));
                     }
                     Ok(Err(e)) => tracing::warn!("accept failed: {e}"),
                     Err(_) => break,
@@ -373,7 +383,7 @@ async fn mesh<N: Net>(
         Ok((got, refused))
     };
     let dial = async {
-        let mut got: BTreeMap<u32, BTreeMap<u16, N::Stream>> = BTreeMap::new();
+        let mut got: BTreeMap<u32, BTreeMap<u16, Conn<N::Stream>>> = BTreeMap::new();
         for peer in 0..me.0 {
             let key = addr_key(gid, peer);
             let remaining = deadline.saturating_duration_since(tokio::time::Instant::now());
@@ -389,9 +399,9 @@ async fn mesh<N: Net>(
                 timeout: opts.init_timeout,
             })?;
             for index in 0..k {
-                let stream =
+                let conn =
                     dial_one(net, &expect.with_peer(Rank(peer)), peer, index, addr, &text, deadline, opts).await?;
-                got.entry(peer).or_default().insert(index, stream);
+                got.entry(peer).or_default().insert(index, conn);
             }
         }
         Ok(got)

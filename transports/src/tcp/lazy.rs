@@ -16,7 +16,9 @@ use cohort_core::work::Rank;
 
 use super::attach::attach;
 use super::link::{Inbound, LaneRx};
-use super::rendezvous::{Accepted, HandshakeFailure, accepted_handshake, addr_key, dial_one, is_misconfigured_rank};
+use super::rendezvous::{
+    Accepted, Conn, HandshakeFailure, accepted_handshake, addr_key, dial_one, is_misconfigured_rank,
+};
 use super::state::deliver;
 use super::tunables::{ACCEPT_RETRY, HANDSHAKE_TIMEOUT};
 use super::{Inner, now};
@@ -41,7 +43,7 @@ async fn dial<N: Net>(net: N, inner: Arc<Inner>, peer: Rank, lanes: Vec<LaneRx>)
         .with_peer(peer);
     let deadline = tokio::time::Instant::now() + opts.init_timeout;
     let key = addr_key(inner.group_id, peer.0);
-    let result: Result<Vec<N::Stream>, String> = async {
+    let result: Result<Vec<Conn<N::Stream>>, String> = async {
         let value = inner.store.get(&key).await.map_err(|e| format!("cannot read its address from the store: {e}"))?;
         let text = String::from_utf8_lossy(&value).into_owned();
         let addr = text.parse().map_err(|_| format!("its published address {text:?} does not parse"))?;
@@ -60,8 +62,8 @@ async fn dial<N: Net>(net: N, inner: Arc<Inner>, peer: Rank, lanes: Vec<LaneRx>)
             if let Some(tally) = &tally {
                 streams.iter().for_each(|_| tally.add());
             }
-            for (index, (stream, rx)) in streams.into_iter().zip(lanes).enumerate() {
-                attach(&inner, peer, stream, N::into_tcp, rx, index);
+            for (index, ((stream, shm), rx)) in streams.into_iter().zip(lanes).enumerate() {
+                attach(&inner, peer, stream, N::into_tcp, rx, index, shm);
             }
             inner.input(|st, fx| st.peer_connected(now(), peer, fx));
         }
@@ -82,9 +84,10 @@ pub(crate) async fn serve_accepts<L: Listener>(
     weak: Weak<Inner>,
     expect: HandshakeExpectation,
     secret: Option<AuthSecret>,
+    shared_memory: bool,
 ) {
     let k = usize::from(expect.connections_per_peer);
-    let mut sets: BTreeMap<u32, BTreeMap<u16, L::Stream>> = BTreeMap::new();
+    let mut sets: BTreeMap<u32, BTreeMap<u16, Conn<L::Stream>>> = BTreeMap::new();
     let mut pending: tokio::task::JoinSet<Accepted<L::Stream>> = tokio::task::JoinSet::new();
     loop {
         tokio::select! {
@@ -93,7 +96,7 @@ pub(crate) async fn serve_accepts<L: Listener>(
                 let Some(Ok((remote, stream, result))) = done else { continue };
                 let Some(inner) = weak.upgrade() else { return };
                 match result {
-                    Ok((peer, index)) => {
+                    Ok((peer, index, shm)) => {
                         let set = sets.entry(peer.0).or_default();
                         if set.contains_key(&index) {
                             tracing::warn!(%remote, "dropping a second connection {index} from rank {peer}");
@@ -102,9 +105,9 @@ pub(crate) async fn serve_accepts<L: Listener>(
                         if let Some(tally) = inner.tallies.get(peer.index()) {
                             tally.add();
                         }
-                        set.insert(index, stream);
+                        set.insert(index, (stream, shm));
                         if set.len() == k {
-                            let streams: Vec<L::Stream> = sets.remove(&peer.0).unwrap_or_default().into_values().collect();
+                            let streams: Vec<_> = sets.remove(&peer.0).unwrap_or_default().into_values().collect();
                             serve_set(&inner, peer, streams, L::into_tcp);
                         }
                     }
@@ -117,7 +120,14 @@ pub(crate) async fn serve_accepts<L: Listener>(
             }
             accepted = listener.accept() => match accepted {
                 Ok((stream, remote)) => {
-                    pending.spawn(accepted_handshake(stream, remote, expect, secret.clone(), HANDSHAKE_TIMEOUT));
+                    pending.spawn(accepted_handshake(
+                        stream,
+                        remote,
+                        expect,
+                        secret.clone(),
+                        HANDSHAKE_TIMEOUT,
+                        shared_memory,
+                    ));
                 }
                 Err(e) => {
                     tracing::warn!("accept failed: {e}");
@@ -130,18 +140,22 @@ pub(crate) async fn serve_accepts<L: Listener>(
 
 /// Serve a full set of connections accepted from `peer`: as this rank's lanes to it if it has
 /// none yet, else read-only.
-fn serve_set<S>(inner: &Arc<Inner>, peer: Rank, streams: Vec<S>, into_tcp: fn(S) -> Result<tokio::net::TcpStream, S>)
-where
+fn serve_set<S>(
+    inner: &Arc<Inner>,
+    peer: Rank,
+    streams: Vec<Conn<S>>,
+    into_tcp: fn(S) -> Result<tokio::net::TcpStream, S>,
+) where
     S: tokio::io::AsyncRead + tokio::io::AsyncWrite + Send + 'static,
 {
     let n = streams.len();
     let mut queues = inner.input(|st, _| st.accept_lanes(now(), peer, n)).map(Vec::into_iter);
-    for (index, stream) in streams.into_iter().enumerate() {
+    for (index, (stream, shm)) in streams.into_iter().enumerate() {
         let rx = match queues.as_mut().and_then(Iterator::next) {
             Some(rx) => rx,
             None => inner.lock().idle_writer(),
         };
-        attach(inner, peer, stream, into_tcp, rx, index);
+        attach(inner, peer, stream, into_tcp, rx, index, shm);
     }
     inner.timer.notify_one();
 }

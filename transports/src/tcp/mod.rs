@@ -30,6 +30,9 @@ mod link;
 mod monitored;
 mod options;
 mod rendezvous;
+mod shm;
+#[cfg(test)]
+mod shm_tests;
 pub(crate) mod sigterm;
 mod socket;
 mod sparse;
@@ -456,6 +459,17 @@ impl ProcessGroup {
     /// The group's id.
     pub fn group_id(&self) -> GroupId {
         self.inner.group_id
+    }
+
+    /// The peers this rank exchanges frames with through shared memory now (same host, both
+    /// allowing it: see [`TcpOptions::shared_memory`]), in rank order. Under lazy connection,
+    /// only peers connected so far.
+    pub fn shared_memory_peers(&self) -> Vec<Rank> {
+        let readers = self.inner.readers.read().unwrap_or_else(|p| p.into_inner());
+        let mut peers: Vec<Rank> = readers.iter().filter_map(|r| r.shared_memory_peer()).collect();
+        peers.sort_unstable();
+        peers.dedup();
+        peers
     }
 
     /// The options the group runs with.

@@ -90,6 +90,11 @@ pub struct TcpOptions {
     /// `COHORT_AUTH_TOKEN`, or the contents of the file `COHORT_AUTH_TOKEN_FILE` names; none
     /// by default.
     pub auth: Option<cohort_core::protocol::AuthSecret>,
+    /// Between two ranks of one host, frames go through a shared-memory segment instead of
+    /// the socket (see `shm.rs`): the pair's first connection agrees on it when both ranks
+    /// allow it, and stays open as the liveness channel and for doorbells. Only real sockets
+    /// share memory (the simulator's never do). `COHORT_SHM`, default 1 (0 turns it off).
+    pub shared_memory: bool,
 }
 
 impl Default for TcpOptions {
@@ -112,6 +117,7 @@ impl Default for TcpOptions {
             dump_prefix: None,
             wall_clock_anchor_ns: None,
             auth: None,
+            shared_memory: true,
         }
     }
 }
@@ -192,6 +198,9 @@ impl TcpOptions {
         }
         if let Some(b) = v.flag(env::LAZY_INIT)? {
             o.lazy_connect = b;
+        }
+        if let Some(b) = v.flag(env::SHM)? {
+            o.shared_memory = b;
         }
         o.dump_prefix = v.path(env::DUMP_ON_FAILURE);
         o.auth = v.auth_secret()?;

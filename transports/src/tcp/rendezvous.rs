@@ -16,6 +16,8 @@ use cohort_core::work::{GroupId, Rank};
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
 
 use super::options::TcpOptions;
+use super::shm::{self as shmem, ShmLink};
+use super::tunables::SHM_RING_BYTES;
 use super::tunables::{DIAL_BACKOFF_MAX, DIAL_BACKOFF_MIN};
 use crate::net::Net;
 use crate::store::StoreError;
@@ -134,7 +136,7 @@ pub(crate) async fn dial_one<N: Net>(
     text: &str,
     deadline: tokio::time::Instant,
     opts: &TcpOptions,
-) -> Result<N::Stream, InitError> {
+) -> Result<(N::Stream, Option<ShmLink>), InitError> {
     let mut backoff = DIAL_BACKOFF_MIN;
     loop {
         // One attempt (connect, then handshake), bounded by the init deadline: a peer behind
@@ -142,8 +144,21 @@ pub(crate) async fn dial_one<N: Net>(
         let attempt = async {
             match net.connect(&addr.ip().to_string(), addr.port()).await {
                 Ok(mut s) => {
-                    match handshake_on(&mut s, expect, index, opts.auth.as_ref().map(|k| (k, Role::Dialer))).await {
-                        Ok(_) => Ok(s),
+                    // A pair's first connection offers shared memory (see `shm`).
+                    let plan = if N::SHARES_MEMORY && opts.shared_memory && index == 0 {
+                        match shmem::create(expect.rank, Rank(peer), expect.group, SHM_RING_BYTES) {
+                            Ok(created) => ShmPlan::Offer(created),
+                            Err(e) => {
+                                tracing::debug!(peer, "no shared-memory segment to offer: {e}");
+                                ShmPlan::Off
+                            }
+                        }
+                    } else {
+                        ShmPlan::Off
+                    };
+                    let auth = opts.auth.as_ref().map(|k| (k, Role::Dialer));
+                    match handshake_on(&mut s, expect, index, auth, plan).await {
+                        Ok((_, _, shm)) => Ok((s, shm)),
                         Err(HandshakeFailure::Refused(e)) => Err(Err(e)),
                         Err(e) => Err(Ok(e.to_string())),
                     }
@@ -170,22 +185,28 @@ pub(crate) async fn dial_one<N: Net>(
     }
 }
 
+/// A connection and the shared memory agreed on it, if any.
+pub(crate) type Conn<S> = (S, Option<ShmLink>);
+
 /// An accepted connection after its handshake: the remote address, the stream, and the peer's
-/// rank and connection index (or why it was refused).
-pub(crate) type Accepted<S> = (SocketAddr, S, Result<(Rank, u16), HandshakeFailure>);
+/// rank, connection index and shared memory if agreed (or why it was refused).
+pub(crate) type Accepted<S> = (SocketAddr, S, Result<(Rank, u16, Option<ShmLink>), HandshakeFailure>);
 
 /// The accepting side's handshake on a fresh connection, bounded by `limit`, so that a
 /// connection that never speaks holds up nobody. With a secret, the peer must prove it knows
 /// it; one that fails is refused, and logged as an error naming the rank it claims.
+/// `shared_memory`: this rank takes a peer's offer of shared memory (see `shm`).
 pub(crate) async fn accepted_handshake<S: AsyncRead + AsyncWrite + Unpin>(
     mut stream: S,
     remote: SocketAddr,
     expect: HandshakeExpectation,
     secret: Option<AuthSecret>,
     limit: Duration,
+    shared_memory: bool,
 ) -> Accepted<S> {
     let auth = secret.as_ref().map(|k| (k, Role::Acceptor));
-    let result = match tokio::time::timeout(limit, handshake_on(&mut stream, &expect, 0, auth)).await {
+    let plan = if shared_memory { ShmPlan::Answer } else { ShmPlan::Off };
+    let result = match tokio::time::timeout(limit, handshake_on(&mut stream, &expect, 0, auth, plan)).await {
         Ok(r) => r,
         Err(_) => Err(HandshakeFailure::Io(std::io::Error::new(
             std::io::ErrorKind::TimedOut,
@@ -235,19 +256,33 @@ impl std::fmt::Display for HandshakeFailure {
     }
 }
 
+/// What a side does about shared memory on a fresh connection.
+pub(crate) enum ShmPlan {
+    /// Nothing: the handshake's flag stays clear.
+    Off,
+    /// Offer this segment (the dialer of a pair's first connection).
+    Offer(shmem::Created),
+    /// Take an offer, if the dialer makes one (the acceptor).
+    Answer,
+}
+
 /// Exchange and check handshakes on a fresh connection, sending connection index `index` (the
-/// accepting side sends 0: the dialer's index is the one that counts); returns the peer's rank
-/// and the index it sent. With `auth` (the secret, and whether this side dialled or accepted),
-/// both sides prove they know the secret (see [`cohort_core::protocol::auth`]).
+/// accepting side sends 0: the dialer's index is the one that counts); returns the peer's rank,
+/// the index it sent, and the shared memory agreed (`plan`; both sides must have set the flag).
+/// With `auth` (the secret, and whether this side dialled or accepted), both sides prove they
+/// know the secret (see [`cohort_core::protocol::auth`]).
 async fn handshake_on<S: AsyncRead + AsyncWrite + Unpin>(
     stream: &mut S,
     expect: &HandshakeExpectation,
     index: u16,
     auth: Option<(&AuthSecret, Role)>,
-) -> Result<(Rank, u16), HandshakeFailure> {
+    plan: ShmPlan,
+) -> Result<(Rank, u16, Option<ShmLink>), HandshakeFailure> {
     let io = HandshakeFailure::Io;
     let expect = if auth.is_some() { expect.with_auth() } else { *expect };
     let mut mine = expect.handshake(index);
+    mine.shares_memory = !matches!(plan, ShmPlan::Off);
+    let i_share = mine.shares_memory;
     if auth.is_some() {
         mine.auth_nonce = Some(crate::net::fresh_nonce().map_err(io)?);
     }
@@ -257,6 +292,7 @@ async fn handshake_on<S: AsyncRead + AsyncWrite + Unpin>(
     let mut buf = [0u8; HANDSHAKE_LEN];
     stream.read_exact(&mut buf).await.map_err(io)?;
     let theirs = Handshake::decode(&buf);
+    let both_share = i_share && theirs.as_ref().is_ok_and(|h| h.shares_memory);
     let mut verdict =
         theirs.as_ref().map_err(Clone::clone).and_then(|hs| hs.check(&expect).map(|()| (hs.rank, hs.connection)));
     // The transcript both proofs cover: the dialler's handshake first.
@@ -291,7 +327,12 @@ async fn handshake_on<S: AsyncRead + AsyncWrite + Unpin>(
     let mut msg = vec![0u8; prefix.message_len()];
     stream.read_exact(&mut msg).await.map_err(io)?;
     let theirs = prefix.finish(&msg)?;
-    let rank = verdict?;
+    let (rank, connection) = verdict?;
     theirs.into_result()?;
-    Ok(rank)
+    let shm = match plan {
+        ShmPlan::Offer(created) if both_share => shmem::offer(stream, created, rank).await.map_err(io)?,
+        ShmPlan::Answer if both_share => shmem::answer(stream, expect.rank, rank, expect.group).await.map_err(io)?,
+        _ => None,
+    };
+    Ok((rank, connection, shm))
 }

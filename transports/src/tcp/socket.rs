@@ -15,6 +15,17 @@
 //!
 //! The reader task reads whatever no waiting thread does. Both decode through the same
 //! [`Assembler`] under one lock, so frames keep their order.
+//!
+//! # Over shared memory
+//!
+//! When the pair agreed on a shared-memory segment (see [`super::shm`]), a connection's frames
+//! go through the segment's rings instead ([`ShmPath`]): senders and the writer task write
+//! into the outgoing ring ([`ShmWire`], [`ShmWrite`]), waiting threads and the reader task read
+//! the incoming one through the same assembler. The socket stays open and carries only
+//! doorbells (one byte: "look at the ring") and the end of the stream: a peer that dies
+//! closes it, so it is named as fast as on TCP. The one-shot epoll set keeps its meaning:
+//! while it is armed the reader asks the peer for a doorbell (the ring's `want_data`), while
+//! threads poll it does not, and nobody is woken by bytes a polling thread reads anyway.
 
 use std::io::{self, Read, Write};
 use std::net::{Shutdown, TcpStream as StdStream};
@@ -30,7 +41,10 @@ use tokio::io::unix::AsyncFd;
 use tokio::io::{AsyncWrite, Interest};
 use tokio::net::TcpStream;
 
-use super::link::{Assembler, CloseTally, Inbound};
+use cohort_core::shm::{Consumer, Producer};
+
+use super::link::{Assembler, CloseTally, Inbound, Wire};
+use super::shm::ShmLink;
 use super::state::deliver;
 use super::tunables::{REARM_BACKOFF_MAX, REARM_GRACE};
 use super::{Deferred, Inner};
@@ -180,12 +194,37 @@ pub(crate) struct FastReader {
     /// The reader task is draining the socket (or waits for the lock to): what it reads, a
     /// polling thread no longer finds on the socket (see [`FastReader::task_draining`]).
     task_draining: AtomicBool,
+    /// The connection's frames come through shared memory (see the [module docs](self)).
+    shm: Option<Arc<ShmPath>>,
 }
 
 impl FastReader {
-    pub(crate) fn new(socket: Arc<FastSocket>, asm: Assembler, tally: Arc<CloseTally>, shared: bool) -> Self {
+    pub(crate) fn new(
+        socket: Arc<FastSocket>,
+        asm: Assembler,
+        tally: Arc<CloseTally>,
+        shared: bool,
+        shm: Option<Arc<ShmPath>>,
+    ) -> Self {
         let (ended, armed) = (AtomicBool::new(false), AtomicBool::new(true));
-        FastReader { socket, asm: Mutex::new(asm), tally, ended, armed, shared, task_draining: AtomicBool::new(false) }
+        if let Some(path) = &shm {
+            // Armed from the start: ask for a doorbell, or look at once if bytes wait.
+            path.request_data();
+        }
+        let task_draining = AtomicBool::new(false);
+        FastReader { socket, asm: Mutex::new(asm), tally, ended, armed, shared, task_draining, shm }
+    }
+
+    /// The peer, if this connection's frames come through shared memory.
+    pub(crate) fn shared_memory_peer(&self) -> Option<Rank> {
+        self.shm.as_ref()?;
+        Some(self.asm.lock().unwrap_or_else(|p| p.into_inner()).from())
+    }
+
+    /// Whether the incoming ring holds bytes (or is corrupt, which a drain reports); false on
+    /// a plain connection.
+    fn ring_waiting(&self) -> bool {
+        self.shm.as_ref().is_some_and(|p| p.waiting())
     }
 
     /// Whether the connection carries small frames both ways (a peer's first connection: see
@@ -215,12 +254,22 @@ impl FastReader {
     /// Arm the epoll set unless it is armed already: the reader task hears of the next bytes
     /// (at once, if some are waiting).
     pub(crate) fn arm(&self) {
-        if self.ended() || self.armed.swap(true, Ordering::AcqRel) {
+        if self.ended() {
+            return;
+        }
+        if self.armed.swap(true, Ordering::AcqRel) {
+            // Armed already; but a doorbell may have been taken by a polling thread since.
+            if let Some(path) = &self.shm {
+                path.request_data();
+            }
             return;
         }
         if let Err(e) = epoll_ctl(self.socket.events.get_ref(), libc::EPOLL_CTL_MOD, self.raw_fd()) {
             // Only a closed descriptor fails here; the reader task meets the closing anyway.
             tracing::debug!("could not re-arm a connection's read events: {e}");
+        }
+        if let Some(path) = &self.shm {
+            path.request_data();
         }
     }
 
@@ -257,6 +306,21 @@ impl FastReader {
             if self.ended() || emptied {
                 return delivered;
             }
+            if let Some(path) = &self.shm {
+                match path.step(&mut asm, &self.socket.std) {
+                    ShmStep::Read => continue,
+                    ShmStep::Bells => {
+                        // The peer rang because the task asked; if it still relies on
+                        // doorbells, ask again (this thread may stop reading any moment).
+                        if self.armed.load(Ordering::Acquire) {
+                            path.request_data();
+                        }
+                        continue;
+                    }
+                    ShmStep::Empty => return delivered,
+                    ShmStep::End(last) => return self.end(inner, last, acc),
+                }
+            }
             let buf = asm.read_buf();
             let room = buf.len();
             match (&*self.socket.std).read(buf) {
@@ -290,8 +354,24 @@ impl FastReader {
         true
     }
 
-    /// Wait until the epoll set fires, and take its event (which leaves it unarmed).
+    /// Wait until the epoll set fires (or, over shared memory, [`FastReader::arm`] found bytes
+    /// waiting), and take its event (which leaves it unarmed).
     async fn fired(&self) -> io::Result<()> {
+        let Some(path) = &self.shm else { return self.epoll_fired().await };
+        let fired = tokio::select! {
+            biased;
+            () = path.kick.notified() => {
+                self.armed.store(false, Ordering::Release);
+                Ok(())
+            }
+            fired = self.epoll_fired() => fired,
+        };
+        // Awake: what the peer writes now is read without a doorbell.
+        path.cancel_data_request();
+        fired
+    }
+
+    async fn epoll_fired(&self) -> io::Result<()> {
         loop {
             let mut guard = self.socket.events.readable().await?;
             let mut ev = libc::epoll_event { events: 0, u64: 0 };
@@ -323,7 +403,198 @@ pub(crate) fn readable(readers: &[Arc<FastReader>]) -> impl Iterator<Item = bool
     // SAFETY: `fds` is a live array of `fds.len()` pollfd structs, and every descriptor in it is
     // held open by its reader, which `readers` borrows for the whole call.
     let n = unsafe { libc::poll(fds.as_mut_ptr(), fds.len() as libc::nfds_t, 0) };
-    fds.into_iter().map(move |p| n > 0 && p.revents != 0)
+    fds.into_iter().zip(readers).map(move |(p, r)| (n > 0 && p.revents != 0) || r.ring_waiting())
+}
+
+/// A connection's shared-memory rings and what serves them (see the [module docs](self)).
+pub(crate) struct ShmPath {
+    incoming: Mutex<Consumer>,
+    wire: Arc<ShmWire>,
+    /// The writer task, waiting for room in the outgoing ring.
+    space: Mutex<Option<std::task::Waker>>,
+    /// [`FastReader::arm`] found bytes waiting: the reader task looks without a doorbell.
+    kick: tokio::sync::Notify,
+    /// The socket has ended; the ring is read to its end before that is delivered.
+    eof: AtomicBool,
+}
+
+/// What one look at a shared-memory connection found.
+pub(crate) enum ShmStep {
+    /// Bytes went to the assembler, or the socket ended: look again.
+    Read,
+    /// Doorbells were taken from the socket: look again.
+    Bells,
+    /// The ring is empty and the socket has nothing.
+    Empty,
+    /// The connection's last word.
+    End(Inbound),
+}
+
+impl ShmPath {
+    pub(crate) fn new(link: &ShmLink, socket: Arc<StdStream>) -> Arc<ShmPath> {
+        let wire = Arc::new(ShmWire { out: Mutex::new(link.segment.producer(link.outgoing())), socket });
+        Arc::new(ShmPath {
+            incoming: Mutex::new(link.segment.consumer(link.incoming())),
+            wire,
+            space: Mutex::new(None),
+            kick: tokio::sync::Notify::new(),
+            eof: AtomicBool::new(false),
+        })
+    }
+
+    /// Where senders write.
+    pub(crate) fn wire(&self) -> Arc<ShmWire> {
+        self.wire.clone()
+    }
+
+    fn ring(&self) -> std::sync::MutexGuard<'_, Consumer> {
+        self.incoming.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    fn waiting(&self) -> bool {
+        match self.incoming.try_lock() {
+            Ok(ring) => ring.available() != Ok(0),
+            // Someone reads it now.
+            Err(_) => false,
+        }
+    }
+
+    /// Ask the peer for a doorbell; if bytes wait already, wake the reader task instead.
+    fn request_data(&self) {
+        if self.ring().request_data().unwrap_or(true) {
+            self.kick.notify_one();
+        }
+    }
+
+    fn cancel_data_request(&self) {
+        self.ring().cancel_data_request();
+    }
+
+    /// Move what the ring holds into the assembler; when it is empty, take the socket's
+    /// doorbells (which may also be for the writer: room in the outgoing ring) and its end.
+    pub(crate) fn step(&self, asm: &mut Assembler, socket: &StdStream) -> ShmStep {
+        let mut ring = self.ring();
+        match ring.read(asm.read_buf()) {
+            Ok(0) => {}
+            Ok(n) => {
+                asm.advance(n);
+                if ring.take_space_request() {
+                    self.wire.doorbell();
+                }
+                return ShmStep::Read;
+            }
+            Err(e) => {
+                let reason = format!("{e} (from rank {}'s shared memory)", asm.from());
+                return ShmStep::End(Inbound::Closed { from: asm.from(), reason, clean: false });
+            }
+        }
+        drop(ring);
+        if self.eof.load(Ordering::Acquire) {
+            return ShmStep::End(asm.eof());
+        }
+        let mut bells = [0u8; 64];
+        match (&*socket).read(&mut bells) {
+            Ok(0) => {
+                // Whatever the peer wrote before it closed is in the ring: read that first.
+                self.eof.store(true, Ordering::Release);
+                ShmStep::Read
+            }
+            Ok(_) => {
+                if let Some(w) = self.space.lock().unwrap_or_else(|p| p.into_inner()).take() {
+                    w.wake();
+                }
+                ShmStep::Bells
+            }
+            Err(e) if e.kind() == io::ErrorKind::WouldBlock => ShmStep::Empty,
+            Err(e) if e.kind() == io::ErrorKind::Interrupted => ShmStep::Read,
+            Err(e) => ShmStep::End(asm.read_error(&e)),
+        }
+    }
+}
+
+/// The outgoing ring of a shared-memory connection, as senders and the writer task write it.
+#[derive(Debug)]
+pub(crate) struct ShmWire {
+    out: Mutex<Producer>,
+    /// The pair's socket, for doorbells.
+    socket: Arc<StdStream>,
+}
+
+impl ShmWire {
+    /// Tell the peer to look at the rings. A full socket already holds doorbells it will read.
+    fn doorbell(&self) {
+        let _ = (&*self.socket).write(&[1]);
+    }
+
+    fn producer(&self) -> std::sync::MutexGuard<'_, Producer> {
+        self.out.lock().unwrap_or_else(|p| p.into_inner())
+    }
+}
+
+impl Wire for ShmWire {
+    fn try_write(&self, bufs: &[io::IoSlice<'_>]) -> io::Result<usize> {
+        let mut out = self.producer();
+        let n = out
+            .write(bufs.iter().map(|b| &**b))
+            .map_err(|e| io::Error::new(io::ErrorKind::InvalidData, e.to_string()))?;
+        let ring = n > 0 && out.take_data_request();
+        drop(out);
+        if ring {
+            self.doorbell();
+        }
+        Ok(n)
+    }
+}
+
+/// The writer task's view of a shared-memory connection: the outgoing ring, waiting for room
+/// through a doorbell when it is full; shutting down closes the socket's writing side.
+pub(crate) struct ShmWrite(pub(crate) Arc<ShmPath>);
+
+impl ShmWrite {
+    fn poll_io(&self, cx: &mut Context<'_>, bufs: &[io::IoSlice<'_>]) -> Poll<io::Result<usize>> {
+        let path = &self.0;
+        loop {
+            let n = path.wire.try_write(bufs)?;
+            if n > 0 || bufs.iter().all(|b| b.is_empty()) {
+                return Poll::Ready(Ok(n));
+            }
+            *path.space.lock().unwrap_or_else(|p| p.into_inner()) = Some(cx.waker().clone());
+            match path.wire.producer().request_space() {
+                Ok(true) => continue,
+                Ok(false) => return Poll::Pending,
+                Err(e) => return Poll::Ready(Err(io::Error::new(io::ErrorKind::InvalidData, e.to_string()))),
+            }
+        }
+    }
+}
+
+impl AsyncWrite for ShmWrite {
+    fn poll_write(self: Pin<&mut Self>, cx: &mut Context<'_>, buf: &[u8]) -> Poll<io::Result<usize>> {
+        self.poll_io(cx, &[io::IoSlice::new(buf)])
+    }
+
+    fn poll_write_vectored(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        bufs: &[io::IoSlice<'_>],
+    ) -> Poll<io::Result<usize>> {
+        self.poll_io(cx, bufs)
+    }
+
+    fn is_write_vectored(&self) -> bool {
+        true
+    }
+
+    fn poll_flush(self: Pin<&mut Self>, _: &mut Context<'_>) -> Poll<io::Result<()>> {
+        Poll::Ready(Ok(()))
+    }
+
+    fn poll_shutdown(self: Pin<&mut Self>, _: &mut Context<'_>) -> Poll<io::Result<()>> {
+        match self.0.wire.socket.shutdown(Shutdown::Write) {
+            Err(e) if e.kind() != io::ErrorKind::NotConnected => Poll::Ready(Err(e)),
+            _ => Poll::Ready(Ok(())),
+        }
+    }
 }
 
 /// The reader task of a fast connection: wait until the epoll set fires, drain the socket,

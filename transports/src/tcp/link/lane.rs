@@ -86,8 +86,9 @@ pub(crate) struct Gate(Mutex<GateState>);
 struct GateState {
     /// Frames handed to the writer task and not yet written by it.
     queued: usize,
-    /// The socket, once known to be a real TCP socket (the one the writer task writes to).
-    socket: Option<Arc<std::net::TcpStream>>,
+    /// What the writer task writes to, once known to take direct writes: a real TCP socket,
+    /// or the connection's shared-memory ring.
+    socket: Option<Arc<dyn Wire>>,
     /// Whole frames held back (see [`Corks`]). Never non-empty while `queued` is not 0.
     cork: Vec<u8>,
     /// The gate is on its group's [`Corks`] list.
@@ -128,8 +129,8 @@ impl Gate {
         self.0.lock().unwrap_or_else(|p| p.into_inner())
     }
 
-    /// Let senders write to `socket` themselves (it must be non-blocking).
-    pub(crate) fn open(&self, socket: Arc<std::net::TcpStream>) {
+    /// Let senders write to `socket` themselves (the one the writer task writes to).
+    pub(crate) fn open(&self, socket: Arc<dyn Wire>) {
         self.lock().socket = Some(socket);
     }
 
@@ -215,15 +216,29 @@ impl LaneTx {
     }
 }
 
-/// Write as much of `head` then `payload` as the non-blocking `socket` takes now; the count.
-/// A failure stops it like a full socket: the writer task meets it again and reports it.
-fn write_now(socket: &std::net::TcpStream, head: &[u8], payload: &[u8]) -> usize {
+/// Where a sending thread may write a frame itself: whatever the connection's writer task
+/// writes to, written without blocking.
+pub(crate) trait Wire: Send + Sync + std::fmt::Debug {
+    /// Write as much of `bufs` as fits now (0, or `WouldBlock`, when nothing does).
+    fn try_write(&self, bufs: &[io::IoSlice<'_>]) -> io::Result<usize>;
+}
+
+impl Wire for std::net::TcpStream {
+    /// The socket must be non-blocking.
+    fn try_write(&self, bufs: &[io::IoSlice<'_>]) -> io::Result<usize> {
+        (&*self).write_vectored(bufs)
+    }
+}
+
+/// Write as much of `head` then `payload` as `socket` takes now; the count. A failure stops it
+/// like a full socket: the writer task meets it again and reports it.
+fn write_now(socket: &Arc<dyn Wire>, head: &[u8], payload: &[u8]) -> usize {
     let total = head.len() + payload.len();
     let mut done = 0;
     while done < total {
         let (h, p) =
             if done < head.len() { (&head[done..], payload) } else { (&[][..], &payload[done - head.len()..]) };
-        match (&*socket).write_vectored(&[io::IoSlice::new(h), io::IoSlice::new(p)]) {
+        match socket.try_write(&[io::IoSlice::new(h), io::IoSlice::new(p)]) {
             Ok(0) => break,
             Ok(n) => done += n,
             Err(e) if e.kind() == io::ErrorKind::Interrupted => {}

@@ -25,7 +25,7 @@ mod writer;
 
 pub(crate) use cork::Corks;
 pub(crate) use inbound::{CloseTally, Inbound};
-pub(crate) use lane::{Gate, LaneRx, LaneTx, Lanes, SendMode, Sent, lane};
+pub(crate) use lane::{Gate, LaneRx, LaneTx, Lanes, SendMode, Sent, Wire, lane};
 pub(crate) use outbound::{OnWritten, Outbound, Written};
 pub(crate) use pool::BufferPool;
 pub(crate) use reader::{Assembler, run_reader};

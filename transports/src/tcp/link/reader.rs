@@ -120,6 +120,11 @@ impl Assembler {
         self.decoder.advance(n);
     }
 
+    /// The peer whose frames these are.
+    pub(crate) fn from(&self) -> Rank {
+        self.from
+    }
+
     /// What the end of the stream means here.
     pub(crate) fn eof(&self) -> Inbound {
         let between = self.decoder.is_between_frames();

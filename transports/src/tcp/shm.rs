@@ -1,0 +1,280 @@
+//! Shared memory between two ranks of one host: the segment file, its mapping, and the offer
+//! made on the pair's first connection right after the handshake. The segment's layout and its
+//! rings are core's ([`cohort_core::shm`]); serving a connection through them is
+//! [`super::socket`]'s.
+//!
+//! # How a pair agrees
+//!
+//! The dialing side of a pair's first connection creates a segment under `/dev/shm` (a file
+//! only its user may open, named after its pid and a random nonce) before the handshake, and
+//! says so with the handshake's shared-memory flag; the accepting side sets the flag when it
+//! allows shared memory at all. When both flags are set the dialer sends an
+//! [`Offer`](cohort_core::shm::Offer) (its boot id, the nonce, the capacity, the file name);
+//! the acceptor maps the file if it runs on the same boot of the same host and the segment's
+//! header is the one offered, and answers. The dialer then removes the file either way: both
+//! mappings live on, and nothing is left behind if either process dies later. Any refusal
+//! leaves the pair on TCP, which is always correct.
+
+use std::fs::{File, OpenOptions};
+use std::io;
+use std::os::fd::AsRawFd;
+use std::os::unix::fs::OpenOptionsExt;
+use std::path::PathBuf;
+use std::sync::Arc;
+
+use cohort_core::shm::{ANSWER_LEN, Answer, Direction, OFFER_LEN, Offer, Segment, SegmentHeader, segment_len};
+use cohort_core::work::{GroupId, Rank};
+use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
+
+/// Where segment files are made.
+const SHM_DIR: &str = "/dev/shm";
+
+/// A shared segment both ranks of a pair have mapped, and this rank's side of it.
+#[derive(Debug, Clone)]
+pub(crate) struct ShmLink {
+    pub(crate) segment: Segment,
+    /// This rank created the segment (it writes ring 0 and reads ring 1).
+    pub(crate) creator: bool,
+}
+
+impl ShmLink {
+    /// The ring this rank writes.
+    pub(crate) fn outgoing(&self) -> Direction {
+        if self.creator { Direction::FromCreator } else { Direction::FromAcceptor }
+    }
+
+    /// The ring this rank reads.
+    pub(crate) fn incoming(&self) -> Direction {
+        if self.creator { Direction::FromAcceptor } else { Direction::FromCreator }
+    }
+}
+
+/// This boot of this host, as the kernel names it.
+fn boot_id() -> io::Result<[u8; 16]> {
+    let text = std::fs::read_to_string("/proc/sys/kernel/random/boot_id")?;
+    let hex: Vec<u8> = text.trim().bytes().filter(|&b| b != b'-').collect();
+    let bad = || io::Error::new(io::ErrorKind::InvalidData, format!("boot id {:?} is not a UUID", text.trim()));
+    if hex.len() != 32 {
+        return Err(bad());
+    }
+    let mut id = [0u8; 16];
+    for (i, pair) in hex.chunks(2).enumerate() {
+        let s = std::str::from_utf8(pair).map_err(|_| bad())?;
+        id[i] = u8::from_str_radix(s, 16).map_err(|_| bad())?;
+    }
+    Ok(id)
+}
+
+/// A mapping of a segment file (unmapped when the last [`Segment`] over it goes).
+struct Mapping {
+    ptr: *mut u8,
+    len: usize,
+}
+
+// SAFETY: the mapping is plain shared memory; `Segment` governs every access to it.
+unsafe impl Send for Mapping {}
+// SAFETY: as above.
+unsafe impl Sync for Mapping {}
+
+impl Drop for Mapping {
+    fn drop(&mut self) {
+        // SAFETY: `ptr..ptr + len` is a mapping this struct made and nothing uses any more (every
+        // `Segment` over it held an `Arc` of this).
+        unsafe { libc::munmap(self.ptr.cast(), self.len) };
+    }
+}
+
+fn map(file: &File, len: usize, capacity: u64) -> io::Result<Segment> {
+    // SAFETY: a fresh shared mapping of the whole file; the kernel checks the descriptor.
+    let ptr = unsafe {
+        libc::mmap(
+            std::ptr::null_mut(),
+            len,
+            libc::PROT_READ | libc::PROT_WRITE,
+            libc::MAP_SHARED | libc::MAP_POPULATE,
+            file.as_raw_fd(),
+            0,
+        )
+    };
+    if ptr == libc::MAP_FAILED {
+        return Err(io::Error::last_os_error());
+    }
+    let mapping = Arc::new(Mapping { ptr: ptr.cast(), len });
+    // SAFETY: the mapping is `len` bytes, page-aligned, readable and writable, and lives as long
+    // as the owner; only `Segment`s (ours and the peer's) write it.
+    unsafe { Segment::from_raw(mapping.ptr, len, capacity, mapping.clone()) }
+        .map_err(|e| io::Error::new(io::ErrorKind::InvalidData, e.to_string()))
+}
+
+/// A segment this rank made and has not yet offered: the file is removed when this goes.
+pub(crate) struct Created {
+    segment: Segment,
+    path: PathBuf,
+    offer: Offer,
+}
+
+impl Drop for Created {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_file(&self.path);
+    }
+}
+
+/// Make a segment for the pair (`me` dials `peer` in group `gid`) with rings of `capacity` bytes.
+pub(crate) fn create(me: Rank, peer: Rank, gid: GroupId, capacity: u64) -> io::Result<Created> {
+    let boot_id = boot_id()?;
+    let nonce = u64::from_le_bytes(crate::net::fresh_nonce()?.0[..8].try_into().expect("8 bytes"));
+    let len = segment_len(capacity).map_err(|e| io::Error::new(io::ErrorKind::InvalidInput, e.to_string()))?;
+    let name = format!("cohort-{}-{nonce:016x}", std::process::id());
+    let path = PathBuf::from(SHM_DIR).join(&name);
+    let file = OpenOptions::new().read(true).write(true).create_new(true).mode(0o600).open(&path)?;
+    let offer = Offer { boot_id, nonce, capacity, name };
+    let made = file.set_len(len as u64).and_then(|()| map(&file, len, capacity));
+    match made {
+        Ok(segment) => {
+            segment.init(&SegmentHeader { nonce, capacity, creator: me, acceptor: peer, group: gid });
+            Ok(Created { segment, path, offer })
+        }
+        Err(e) => {
+            let _ = std::fs::remove_file(&path);
+            Err(e)
+        }
+    }
+}
+
+/// Map the segment `offer` names, if it is the one offered to `me` by `peer` in `gid`.
+fn open(offer: &Offer, me: Rank, peer: Rank, gid: GroupId) -> Result<Segment, (Answer, String)> {
+    match boot_id() {
+        Ok(id) if id == offer.boot_id => {}
+        Ok(_) => return Err((Answer::OtherHost, "another boot id".into())),
+        Err(e) => return Err((Answer::OtherHost, format!("cannot read this host's boot id: {e}"))),
+    }
+    let path = PathBuf::from(SHM_DIR).join(&offer.name);
+    let cannot = |e: io::Error| (Answer::CannotMap, format!("{}: {e}", path.display()));
+    let file = OpenOptions::new().read(true).write(true).custom_flags(libc::O_NOFOLLOW).open(&path).map_err(cannot)?;
+    let meta = file.metadata().map_err(cannot)?;
+    let len = segment_len(offer.capacity).map_err(|e| (Answer::Mismatch, e.to_string()))?;
+    if !meta.is_file() || meta.len() != len as u64 {
+        return Err((Answer::Mismatch, format!("{} is {} bytes, not the {len} offered", path.display(), meta.len())));
+    }
+    let segment = map(&file, len, offer.capacity).map_err(cannot)?;
+    let want = SegmentHeader { nonce: offer.nonce, capacity: offer.capacity, creator: peer, acceptor: me, group: gid };
+    match segment.header() {
+        Ok(h) if h == want => Ok(segment),
+        Ok(h) => Err((Answer::Mismatch, format!("header {h:?}, offered {want:?}"))),
+        Err(e) => Err((Answer::Mismatch, e.to_string())),
+    }
+}
+
+/// The dialer's side, after the handshake replies when both sides set the flag: offer the
+/// segment, read the answer, remove the file. `Ok(None)`: the peer declined (logged).
+pub(crate) async fn offer<S: AsyncRead + AsyncWrite + Unpin>(
+    stream: &mut S,
+    created: Created,
+    peer: Rank,
+) -> io::Result<Option<ShmLink>> {
+    stream.write_all(&created.offer.encode()).await?;
+    stream.flush().await?;
+    let mut answer = [0u8; ANSWER_LEN];
+    stream.read_exact(&mut answer).await?;
+    let answer = Answer::decode(&answer).map_err(|e| io::Error::new(io::ErrorKind::InvalidData, e.to_string()))?;
+    let segment = created.segment.clone();
+    drop(created);
+    if answer == Answer::Accept {
+        Ok(Some(ShmLink { segment, creator: true }))
+    } else {
+        tracing::debug!(%peer, "no shared memory with rank {peer}: {answer}");
+        Ok(None)
+    }
+}
+
+/// The acceptor's side: read the offer, map the segment if it is ours to share, answer.
+/// `Ok(None)`: declined (logged); `Err`: the connection is unusable (an offer whose length
+/// cannot be read leaves the stream at an unknown place).
+pub(crate) async fn answer<S: AsyncRead + AsyncWrite + Unpin>(
+    stream: &mut S,
+    me: Rank,
+    peer: Rank,
+    gid: GroupId,
+) -> io::Result<Option<ShmLink>> {
+    let mut fixed = [0u8; OFFER_LEN];
+    stream.read_exact(&mut fixed).await?;
+    let invalid = |e: cohort_core::shm::ShmError| io::Error::new(io::ErrorKind::InvalidData, e.to_string());
+    let len = match Offer::name_len(&fixed) {
+        Ok(len) => len,
+        Err(e) => {
+            let _ = stream.write_all(&Answer::BadOffer.encode()).await;
+            return Err(invalid(e));
+        }
+    };
+    let mut name = vec![0u8; len];
+    stream.read_exact(&mut name).await?;
+    let result = match Offer::decode(&fixed, &name) {
+        Ok(offer) => open(&offer, me, peer, gid),
+        Err(e) => Err((Answer::BadOffer, e.to_string())),
+    };
+    let (reply, link) = match result {
+        Ok(segment) => (Answer::Accept, Some(ShmLink { segment, creator: false })),
+        Err((answer, why)) => {
+            tracing::debug!(%peer, "declined rank {peer}'s shared memory ({answer}): {why}");
+            (answer, None)
+        }
+    };
+    stream.write_all(&reply.encode()).await?;
+    stream.flush().await?;
+    Ok(link)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[tokio::test]
+    async fn a_pair_agrees_on_a_segment_and_the_file_is_gone_after() {
+        let (mut a, mut b) = tokio::io::duplex(4096);
+        let created = create(Rank(0), Rank(1), GroupId(3), 1 << 16).unwrap();
+        let path = created.path.clone();
+        assert!(path.exists());
+        let (mine, theirs) =
+            tokio::join!(offer(&mut a, created, Rank(1)), answer(&mut b, Rank(1), Rank(0), GroupId(3)));
+        let (mine, theirs) = (mine.unwrap().unwrap(), theirs.unwrap().unwrap());
+        assert!(!path.exists(), "removed once answered");
+        let mut p = mine.segment.producer(mine.outgoing());
+        let mut c = theirs.segment.consumer(theirs.incoming());
+        assert_eq!(p.write([&b"across"[..]]).unwrap(), 6);
+        let mut out = [0u8; 16];
+        assert_eq!(c.read(&mut out).unwrap(), 6);
+        assert_eq!(&out[..6], b"across");
+    }
+
+    #[tokio::test]
+    async fn an_offer_for_someone_else_or_another_host_is_declined() {
+        // Offered to rank 1 of group 3; rank 2 answers.
+        let (mut a, mut b) = tokio::io::duplex(4096);
+        let created = create(Rank(0), Rank(1), GroupId(3), 1 << 16).unwrap();
+        let (mine, theirs) =
+            tokio::join!(offer(&mut a, created, Rank(2)), answer(&mut b, Rank(2), Rank(0), GroupId(3)));
+        assert!(mine.unwrap().is_none() && theirs.unwrap().is_none());
+        // Another boot id.
+        let created = create(Rank(0), Rank(1), GroupId(3), 1 << 16).unwrap();
+        let mut offer = created.offer.clone();
+        offer.boot_id[0] ^= 1;
+        assert_eq!(open(&offer, Rank(1), Rank(0), GroupId(3)).unwrap_err().0, Answer::OtherHost);
+        // A name that is no file.
+        let offer = Offer { name: "cohort-no-such-segment".into(), ..created.offer.clone() };
+        assert_eq!(open(&offer, Rank(1), Rank(0), GroupId(3)).unwrap_err().0, Answer::CannotMap);
+        // Another capacity than the file has.
+        let offer = Offer { capacity: 1 << 17, ..created.offer.clone() };
+        assert_eq!(open(&offer, Rank(1), Rank(0), GroupId(3)).unwrap_err().0, Answer::Mismatch);
+    }
+
+    #[tokio::test]
+    async fn a_malformed_offer_is_answered_and_fails_the_connection() {
+        let (mut a, mut b) = tokio::io::duplex(4096);
+        a.write_all(&[0xAB; OFFER_LEN]).await.unwrap();
+        let e = answer(&mut b, Rank(1), Rank(0), GroupId(0)).await.unwrap_err();
+        assert!(e.to_string().contains("malformed shared-memory offer"), "{e}");
+        let mut reply = [0u8; ANSWER_LEN];
+        a.read_exact(&mut reply).await.unwrap();
+        assert_eq!(Answer::decode(&reply).unwrap(), Answer::BadOffer);
+    }
+}
