@@ -1,7 +1,9 @@
 #!/usr/bin/env python3
-"""Side-by-side figures for cohort's TCP data plane against its anchors, run alternately.
+"""Side-by-side figures for cohort's data plane against its anchors, run alternately.
 
-Each repetition runs, one after another: every row of cohort (`cohort bench`) each followed by the
+Each repetition runs, one after another: every row of cohort (`cohort bench`), over shared memory
+between the ranks (its default on one host: "cohort shm") and over TCP alone (`COHORT_SHM=0`:
+"cohort TCP"), each followed by the
 same row of OpenMPI over TCP and over shared memory (the anchor program built from MPI_SRC with
 mpicc, run with `--mca pml ob1 --mca btl tcp,self`, then `--mca btl self,vader`) where it has
 one, and, with 2 ranks, by a bare TCP exchange of
@@ -64,9 +66,14 @@ COHORT_ROWS = {
 }
 
 
-def cohort_row(exe, ranks, name):
-    """One cohort bench row: (time_us, busbw)."""
-    for line in run([exe, "bench", "--ranks", str(ranks), "-c", "0", "--json", *COHORT_ROWS[name]]).splitlines():
+COHORT_COLUMNS = {"cohort shm": "1", "cohort TCP": "0"}
+
+
+def cohort_row(exe, ranks, name, shm="1"):
+    """One cohort bench row: (time_us, busbw); `shm` is COHORT_SHM."""
+    env = dict(os.environ, COHORT_SHM=shm)
+    cmd = [exe, "bench", "--ranks", str(ranks), "-c", "0", "--json", *COHORT_ROWS[name]]
+    for line in run(cmd, env=env).splitlines():
         o = json.loads(line)
         return (o["time_us"], o["busbw"])
     raise RuntimeError(f"cohort bench printed nothing for {name}")
@@ -210,12 +217,13 @@ def main():
         skipped.append("iperf3 (not installed)")
 
     mpis = list(MPI_BTLS) if mpi_exe else []
-    names = ["cohort"] + mpis + (["TCP exchange"] if exchange_exe else []) + list(others)
+    names = list(COHORT_COLUMNS) + mpis + (["TCP exchange"] if exchange_exe else []) + list(others)
     raw = {name: [] for name in names}
     for rep in range(a.reps):
-        mine, theirs, floor = {}, {m: {} for m in mpis}, {}
+        mine, theirs, floor = {c: {} for c in COHORT_COLUMNS}, {m: {} for m in mpis}, {}
         for row in COHORT_ROWS:
-            mine[row] = cohort_row(a.cohort, a.ranks, row)
+            for c, shm in COHORT_COLUMNS.items():
+                mine[c][row] = cohort_row(a.cohort, a.ranks, row, shm)
             for m in mpis if row in MPI_ROWS else []:
                 try:
                     theirs[m][row] = mpi_row(mpi_exe, a.ranks, row, MPI_BTLS[m])
@@ -227,7 +235,8 @@ def main():
                     floor[row] = exchange_row(exchange_exe, row)
                 except RuntimeError as e:
                     print(f"rep {rep + 1}/{a.reps}: TCP exchange {row} failed, left out: {e}", file=sys.stderr)
-        raw["cohort"].append(mine)
+        for c in COHORT_COLUMNS:
+            raw[c].append(mine[c])
         for m in mpis:
             raw[m].append(theirs[m])
         if exchange_exe:
@@ -247,8 +256,9 @@ def main():
     rows = list(COHORT_ROWS)
     cols = [n for n in names if n != "iperf3"]
     # Time ratios of two columns, taken per repetition (same rep, close in time), then the median.
-    pairs = [(x, y) for x, y in (("cohort", "OpenMPI TCP"), ("cohort", "OpenMPI vader"), ("torch gloo", "cohort"),
-                                 ("cohort", "TCP exchange"))
+    pairs = [(x, y) for x, y in (("cohort TCP", "OpenMPI TCP"), ("cohort shm", "OpenMPI vader"),
+                                 ("torch gloo", "cohort TCP"), ("torch gloo", "cohort shm"),
+                                 ("cohort TCP", "TCP exchange"))
              if x in cols and y in cols]
 
     def ratio(x, y, row):

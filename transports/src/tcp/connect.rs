@@ -75,6 +75,13 @@ impl ProcessGroup {
                 expected: format!("1 to {}", super::MAX_CONNECTIONS_PER_PEER),
             });
         }
+        if opts.shared_memory && cohort_core::shm::segment_len(opts.shm_ring_bytes).is_err() {
+            return Err(InitError::InvalidOption {
+                option: "shm_ring_bytes",
+                value: opts.shm_ring_bytes.to_string(),
+                expected: "a power of two from 4096 to 1073741824".into(),
+            });
+        }
         let me = Rank(rank);
         let k = opts.connections_per_peer;
         let (streams, lazy_listener) = if world_size == 1 {

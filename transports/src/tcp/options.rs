@@ -95,6 +95,12 @@ pub struct TcpOptions {
     /// allow it, and stays open as the liveness channel and for doorbells. Only real sockets
     /// share memory (the simulator's never do). `COHORT_SHM`, default 1 (0 turns it off).
     pub shared_memory: bool,
+    /// Each direction's ring in a pair's shared-memory segment, in bytes (a power of two from
+    /// 4 KiB to 1 GiB): room for a few of the large chunks a collective streams, so that a
+    /// writer rarely waits for its reader. The segment's memory is reserved when the pair
+    /// connects (twice this), so the default shrinks on hosts with many ranks: 4 MiB up to 8
+    /// ranks a host (`LOCAL_WORLD_SIZE`), else 32 MiB divided among them (at least 256 KiB).
+    pub shm_ring_bytes: u64,
 }
 
 impl Default for TcpOptions {
@@ -118,6 +124,7 @@ impl Default for TcpOptions {
             wall_clock_anchor_ns: None,
             auth: None,
             shared_memory: true,
+            shm_ring_bytes: shm_ring_bytes(1),
         }
     }
 }
@@ -127,6 +134,16 @@ impl Default for TcpOptions {
 /// chunks itself beats handing them between the runtime's tasks (2 ranks on loopback: 256 KiB,
 /// 1 MiB and 4 MiB allreduces all faster); above it, one op's time dwarfs the wake-ups saved.
 pub const BUSY_POLL_MAX_BYTES: usize = 8 * 1024 * 1024;
+
+/// The default [`TcpOptions::shm_ring_bytes`] for `local` ranks on the host.
+fn shm_ring_bytes(local: u64) -> u64 {
+    if local <= 8 {
+        return 4 << 20;
+    }
+    // 32 MiB among the ranks, rounded down to a power of two.
+    let share = (32u64 << 20) / local;
+    (1u64 << (63 - share.max(1).leading_zeros())).max(256 << 10)
+}
 
 /// Most runtime worker threads [`TcpOptions::io_threads`] may ask for.
 pub const MAX_IO_THREADS: usize = 64;
@@ -176,6 +193,7 @@ impl TcpOptions {
             o.busy_poll = t;
         }
         let local = v.u64(env::LOCAL_WORLD_SIZE)?.unwrap_or(1);
+        o.shm_ring_bytes = shm_ring_bytes(local);
         o.oversubscribed = local > std::thread::available_parallelism().map_or(1, |n| n.get() as u64);
         if let Some(n) = v.u64(env::IO_THREADS)? {
             o.io_threads = io_threads(n)?;
@@ -290,6 +308,21 @@ mod tests {
     fn table(pairs: &[(&str, &str)]) -> impl Fn(&str) -> Option<String> {
         let pairs: Vec<(String, String)> = pairs.iter().map(|&(n, v)| (n.to_owned(), v.to_owned())).collect();
         move |name: &str| pairs.iter().find(|(n, _)| n == name).map(|(_, v)| v.clone())
+    }
+
+    #[test]
+    fn shared_memory_rings_shrink_on_hosts_with_many_ranks() {
+        let ring = |local: &str| {
+            TcpOptions::from_lookup(|k| (k == "LOCAL_WORLD_SIZE").then(|| local.to_owned())).unwrap().shm_ring_bytes
+        };
+        assert_eq!(TcpOptions::default().shm_ring_bytes, 4 << 20);
+        assert_eq!(ring("8"), 4 << 20);
+        assert_eq!(ring("12"), 2 << 20);
+        assert_eq!(ring("16"), 2 << 20);
+        assert_eq!(ring("64"), 512 << 10);
+        assert_eq!(ring("1000"), 256 << 10);
+        let off = TcpOptions::from_lookup(|k| (k == "COHORT_SHM").then(|| "0".to_owned())).unwrap();
+        assert!(!off.shared_memory && TcpOptions::default().shared_memory);
     }
 
     #[test]

@@ -17,7 +17,6 @@ use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
 
 use super::options::TcpOptions;
 use super::shm::{self as shmem, ShmLink};
-use super::tunables::SHM_RING_BYTES;
 use super::tunables::{DIAL_BACKOFF_MAX, DIAL_BACKOFF_MIN};
 use crate::net::Net;
 use crate::store::StoreError;
@@ -146,7 +145,7 @@ pub(crate) async fn dial_one<N: Net>(
                 Ok(mut s) => {
                     // A pair's first connection offers shared memory (see `shm`).
                     let plan = if N::SHARES_MEMORY && opts.shared_memory && index == 0 {
-                        match shmem::create(expect.rank, Rank(peer), expect.group, SHM_RING_BYTES) {
+                        match shmem::create(expect.rank, Rank(peer), expect.group, opts.shm_ring_bytes) {
                             Ok(created) => ShmPlan::Offer(created),
                             Err(e) => {
                                 tracing::debug!(peer, "no shared-memory segment to offer: {e}");

@@ -85,7 +85,9 @@ impl Drop for Mapping {
 }
 
 fn map(file: &File, len: usize, capacity: u64) -> io::Result<Segment> {
-    // SAFETY: a fresh shared mapping of the whole file; the kernel checks the descriptor.
+    // Populated now: the ring's pages are made while the pair connects, not by its first
+    // transfers. SAFETY: a fresh shared mapping of the whole file; the kernel checks the
+    // descriptor.
     let ptr = unsafe {
         libc::mmap(
             std::ptr::null_mut(),
@@ -128,7 +130,7 @@ pub(crate) fn create(me: Rank, peer: Rank, gid: GroupId, capacity: u64) -> io::R
     let path = PathBuf::from(SHM_DIR).join(&name);
     let file = OpenOptions::new().read(true).write(true).create_new(true).mode(0o600).open(&path)?;
     let offer = Offer { boot_id, nonce, capacity, name };
-    let made = file.set_len(len as u64).and_then(|()| map(&file, len, capacity));
+    let made = file.set_len(len as u64).and_then(|()| reserve(&file, len)).and_then(|()| map(&file, len, capacity));
     match made {
         Ok(segment) => {
             segment.init(&SegmentHeader { nonce, capacity, creator: me, acceptor: peer, group: gid });
@@ -138,6 +140,17 @@ pub(crate) fn create(me: Rank, peer: Rank, gid: GroupId, capacity: u64) -> io::R
             let _ = std::fs::remove_file(&path);
             Err(e)
         }
+    }
+}
+
+/// Reserve the file's memory now: a `/dev/shm` too small for it (a container's 64 MiB, say)
+/// then fails here, and the pair stays on TCP, instead of a write to the mapping dying of
+/// SIGBUS later.
+fn reserve(file: &File, len: usize) -> io::Result<()> {
+    // SAFETY: a plain system call on a descriptor we own.
+    match unsafe { libc::posix_fallocate(file.as_raw_fd(), 0, len as libc::off_t) } {
+        0 => Ok(()),
+        e => Err(io::Error::from_raw_os_error(e)),
     }
 }
 

@@ -142,3 +142,23 @@ fn a_ring_position_the_peer_corrupted_closes_the_connection_naming_it() {
         _ => panic!("a corrupt ring must end the connection"),
     }
 }
+
+#[test]
+fn a_ring_of_one_page_still_carries_every_size() {
+    // Every frame larger than the ring: writers wait for room over and over, and each wait
+    // needs the reader's doorbell.
+    let rt = runtime();
+    let tiny = TcpOptions { shm_ring_bytes: 4096, ..opts() };
+    let pgs = group(&rt, vec![tiny.clone(), tiny.clone(), tiny]);
+    let shared = run_collectives(pgs, &[1, 5000, 1 << 20]);
+    assert_eq!(shared, vec![vec![Rank(1), Rank(2)], vec![Rank(0), Rank(2)], vec![Rank(0), Rank(1)]]);
+}
+
+#[test]
+fn a_ring_size_that_is_no_power_of_two_is_refused_naming_the_option() {
+    let rt = runtime();
+    let bad = TcpOptions { shm_ring_bytes: 5000, ..opts() };
+    let store: Arc<dyn Store> = Arc::new(MemoryStore::new());
+    let e = rt.block_on(ProcessGroup::connect(TokioNet, store, 0, 2, bad)).err().expect("refused");
+    assert_eq!(e.to_string(), "shm_ring_bytes is 5000, expected a power of two from 4096 to 1073741824");
+}

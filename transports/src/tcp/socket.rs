@@ -357,17 +357,20 @@ impl FastReader {
     /// Wait until the epoll set fires (or, over shared memory, [`FastReader::arm`] found bytes
     /// waiting), and take its event (which leaves it unarmed).
     async fn fired(&self) -> io::Result<()> {
-        let Some(path) = &self.shm else { return self.epoll_fired().await };
-        let fired = tokio::select! {
-            biased;
-            () = path.kick.notified() => {
-                self.armed.store(false, Ordering::Release);
-                Ok(())
-            }
-            fired = self.epoll_fired() => fired,
+        let fired = match &self.shm {
+            None => self.epoll_fired().await,
+            Some(path) => tokio::select! {
+                biased;
+                () = path.kick.notified() => Ok(()),
+                fired = self.epoll_fired() => fired,
+            },
         };
-        // Awake: what the peer writes now is read without a doorbell.
-        path.cancel_data_request();
+        // Awake: what the peer writes now is read without a doorbell. The request is withdrawn
+        // before `armed` is cleared, so that an `arm` in between leaves it standing.
+        if let Some(path) = &self.shm {
+            path.cancel_data_request();
+        }
+        self.armed.store(false, Ordering::Release);
         fired
     }
 
@@ -378,10 +381,7 @@ impl FastReader {
             // SAFETY: the set's descriptor is open (we hold it); `ev` has room for one event.
             let n = unsafe { libc::epoll_wait(self.socket.events.as_raw_fd(), &mut ev, 1, 0) };
             match n {
-                1 => {
-                    self.armed.store(false, Ordering::Release);
-                    return Ok(());
-                }
+                1 => return Ok(()),
                 0 => guard.clear_ready(),
                 _ => {
                     let e = io::Error::last_os_error();

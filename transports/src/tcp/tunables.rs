@@ -130,8 +130,3 @@ pub const SHUTDOWN_FLUSH: Duration = Duration::from_secs(2);
 /// How often a blocking [`ProcessGroup::shutdown`](super::ProcessGroup::shutdown) looks whether
 /// its writers have finished.
 pub(crate) const SHUTDOWN_POLL: Duration = Duration::from_millis(1);
-
-/// Each direction's ring in a pair's shared-memory segment (see `shm.rs`): room for a few of the
-/// large chunks a collective streams, so that a writer rarely waits for the reader; the file is
-/// sparse, and only pages a transfer touches take memory.
-pub(crate) const SHM_RING_BYTES: u64 = 4 << 20;
