@@ -196,6 +196,10 @@ pub(crate) struct FastReader {
     task_draining: AtomicBool,
     /// The connection's frames come through shared memory (see the [module docs](self)).
     shm: Option<Arc<ShmPath>>,
+    /// Wakes the reader task without its epoll set: the connection ended in a polling
+    /// thread's hands (the set may be unarmed, and is never armed again), or, over shared
+    /// memory, [`FastReader::arm`] found bytes waiting in the ring.
+    kick: tokio::sync::Notify,
 }
 
 impl FastReader {
@@ -207,12 +211,20 @@ impl FastReader {
         shm: Option<Arc<ShmPath>>,
     ) -> Self {
         let (ended, armed) = (AtomicBool::new(false), AtomicBool::new(true));
-        if let Some(path) = &shm {
-            // Armed from the start: ask for a doorbell, or look at once if bytes wait.
-            path.request_data();
-        }
         let task_draining = AtomicBool::new(false);
-        FastReader { socket, asm: Mutex::new(asm), tally, ended, armed, shared, task_draining, shm }
+        let kick = tokio::sync::Notify::new();
+        let reader = FastReader { socket, asm: Mutex::new(asm), tally, ended, armed, shared, task_draining, shm, kick };
+        // Armed from the start: over shared memory, ask for a doorbell (or look at once).
+        reader.request_data();
+        reader
+    }
+
+    /// Over shared memory: ask the peer for a doorbell, or, if bytes wait already, wake the
+    /// reader task instead.
+    fn request_data(&self) {
+        if self.shm.as_ref().is_some_and(|p| p.request_data()) {
+            self.kick.notify_one();
+        }
     }
 
     /// The peer, if this connection's frames come through shared memory.
@@ -259,18 +271,14 @@ impl FastReader {
         }
         if self.armed.swap(true, Ordering::AcqRel) {
             // Armed already; but a doorbell may have been taken by a polling thread since.
-            if let Some(path) = &self.shm {
-                path.request_data();
-            }
+            self.request_data();
             return;
         }
         if let Err(e) = epoll_ctl(self.socket.events.get_ref(), libc::EPOLL_CTL_MOD, self.raw_fd()) {
             // Only a closed descriptor fails here; the reader task meets the closing anyway.
             tracing::debug!("could not re-arm a connection's read events: {e}");
         }
-        if let Some(path) = &self.shm {
-            path.request_data();
-        }
+        self.request_data();
     }
 
     /// Read and deliver whatever has arrived, until a read would block; true if anything was
@@ -313,7 +321,7 @@ impl FastReader {
                         // The peer rang because the task asked; if it still relies on
                         // doorbells, ask again (this thread may stop reading any moment).
                         if self.armed.load(Ordering::Acquire) {
-                            path.request_data();
+                            self.request_data();
                         }
                         continue;
                     }
@@ -350,20 +358,19 @@ impl FastReader {
 
     fn end(&self, inner: &Arc<Inner>, last: Inbound, acc: &mut Deferred) -> bool {
         self.ended.store(true, Ordering::Release);
+        // The reader task may wait on an unarmed set: let it see the end and leave.
+        self.kick.notify_one();
         self.feed(inner, last, acc);
         true
     }
 
-    /// Wait until the epoll set fires (or, over shared memory, [`FastReader::arm`] found bytes
-    /// waiting), and take its event (which leaves it unarmed).
+    /// Wait until the epoll set fires or the reader is kicked (see `kick`), and take its
+    /// event (which leaves it unarmed).
     async fn fired(&self) -> io::Result<()> {
-        let fired = match &self.shm {
-            None => self.epoll_fired().await,
-            Some(path) => tokio::select! {
-                biased;
-                () = path.kick.notified() => Ok(()),
-                fired = self.epoll_fired() => fired,
-            },
+        let fired = tokio::select! {
+            biased;
+            () = self.kick.notified() => Ok(()),
+            fired = self.epoll_fired() => fired,
         };
         // Awake: what the peer writes now is read without a doorbell. The request is withdrawn
         // before `armed` is cleared, so that an `arm` in between leaves it standing.
@@ -412,8 +419,6 @@ pub(crate) struct ShmPath {
     wire: Arc<ShmWire>,
     /// The writer task, waiting for room in the outgoing ring.
     space: Mutex<Option<std::task::Waker>>,
-    /// [`FastReader::arm`] found bytes waiting: the reader task looks without a doorbell.
-    kick: tokio::sync::Notify,
     /// The socket has ended; the ring is read to its end before that is delivered.
     eof: AtomicBool,
 }
@@ -437,7 +442,6 @@ impl ShmPath {
             incoming: Mutex::new(link.segment.consumer(link.incoming())),
             wire,
             space: Mutex::new(None),
-            kick: tokio::sync::Notify::new(),
             eof: AtomicBool::new(false),
         })
     }
@@ -459,11 +463,10 @@ impl ShmPath {
         }
     }
 
-    /// Ask the peer for a doorbell; if bytes wait already, wake the reader task instead.
-    fn request_data(&self) {
-        if self.ring().request_data().unwrap_or(true) {
-            self.kick.notify_one();
-        }
+    /// Ask the peer for a doorbell; true if bytes wait already (or the ring is corrupt, which
+    /// a drain reports), so that the reader must look without one.
+    fn request_data(&self) -> bool {
+        self.ring().request_data().unwrap_or(true)
     }
 
     fn cancel_data_request(&self) {
