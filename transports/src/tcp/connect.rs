@@ -192,6 +192,7 @@ impl ProcessGroup {
                 readers: RwLock::new(Vec::new()),
                 polling,
                 progress,
+                looks: std::sync::atomic::AtomicU32::new(0),
             }
         });
         for (peer, stream, rx, index, shm) in attached {

@@ -115,6 +115,9 @@ pub(crate) struct Inner {
     unwritten: Arc<std::sync::atomic::AtomicUsize>,
     /// Small frames held back for one write ([`DriverState::corks`]).
     corks: Arc<link::Corks>,
+    /// Polling threads' looks at the readers, counted to look at shared-memory sockets now and
+    /// then only (see [`socket::readable`]).
+    looks: std::sync::atomic::AtomicU32,
 }
 
 /// Who waits for a group's works, for its fast connections (see [`socket::FastReader`]):
@@ -289,7 +292,9 @@ impl Inner {
             if let Some(r) = only {
                 delivered = r.drain(self, true, &mut acc);
             } else {
-                for (r, ready) in readers.iter().zip(socket::readable(&readers)) {
+                // Shared-memory sockets carry only doorbells and their end: every 8th look.
+                let sockets = self.looks.fetch_add(1, std::sync::atomic::Ordering::Relaxed) % 8 == 0;
+                for (r, ready) in readers.iter().zip(socket::readable(&readers, sockets)) {
                     if ready {
                         delivered |= r.drain(self, true, &mut acc);
                     }

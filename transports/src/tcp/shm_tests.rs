@@ -127,10 +127,10 @@ fn a_ring_position_the_peer_corrupted_closes_the_connection_naming_it() {
     let socket = Arc::new(ours);
     let path = ShmPath::new(&ShmLink { segment: seg.clone(), creator: true }, socket.clone());
     let mut asm = Assembler::new(Rank(3), cohort_core::protocol::FrameLimits::new(1 << 20), BufferPool::with_limit(0));
-    assert!(matches!(path.step(&mut asm, &socket), ShmStep::Empty), "nothing yet");
+    assert!(matches!(path.step(&mut asm, Some(&socket)), ShmStep::Empty), "nothing yet");
     // Rank 3 writes ring 1 (acceptor to creator); it claims 5,000 bytes in a 4,096-byte ring.
     seg.scribble(Direction::FromAcceptor, 0, 5000);
-    match path.step(&mut asm, &socket) {
+    match path.step(&mut asm, Some(&socket)) {
         ShmStep::End(Inbound::Closed { from, reason, clean }) => {
             assert_eq!(from, Rank(3));
             assert!(!clean);

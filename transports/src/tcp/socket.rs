@@ -196,6 +196,10 @@ pub(crate) struct FastReader {
     task_draining: AtomicBool,
     /// The connection's frames come through shared memory (see the [module docs](self)).
     shm: Option<Arc<ShmPath>>,
+    /// Over shared memory: a `poll(2)` saw the socket readable (doorbells or its end), so a
+    /// polling thread's next drain reads it too; otherwise polling threads read only the ring,
+    /// with no system call (see [`readable`]).
+    socket_ready: AtomicBool,
     /// Wakes the reader task without its epoll set: the connection ended in a polling
     /// thread's hands (the set may be unarmed, and is never armed again), or, over shared
     /// memory, [`FastReader::arm`] found bytes waiting in the ring.
@@ -213,7 +217,19 @@ impl FastReader {
         let (ended, armed) = (AtomicBool::new(false), AtomicBool::new(true));
         let task_draining = AtomicBool::new(false);
         let kick = tokio::sync::Notify::new();
-        let reader = FastReader { socket, asm: Mutex::new(asm), tally, ended, armed, shared, task_draining, shm, kick };
+        let socket_ready = AtomicBool::new(false);
+        let reader = FastReader {
+            socket,
+            asm: Mutex::new(asm),
+            tally,
+            ended,
+            armed,
+            shared,
+            task_draining,
+            shm,
+            socket_ready,
+            kick,
+        };
         // Armed from the start: over shared memory, ask for a doorbell (or look at once).
         reader.request_data();
         reader
@@ -315,7 +331,8 @@ impl FastReader {
                 return delivered;
             }
             if let Some(path) = &self.shm {
-                match path.step(&mut asm, &self.socket.std) {
+                let socket = !inline || self.socket_ready.swap(false, Ordering::AcqRel);
+                match path.step(&mut asm, socket.then_some(&*self.socket.std)) {
                     ShmStep::Read => continue,
                     ShmStep::Bells => {
                         // The peer rang because the task asked; if it still relies on
@@ -403,14 +420,33 @@ impl FastReader {
 
 /// Which of `readers` have bytes (or an end) waiting, asked of the kernel in one `poll(2)`
 /// that takes no socket lock: a waiting thread spinning on `recv` itself would contend with
-/// the peer's packets for the lock of the very socket it waits on.
-pub(crate) fn readable(readers: &[Arc<FastReader>]) -> impl Iterator<Item = bool> {
-    let mut fds: Vec<libc::pollfd> =
-        readers.iter().map(|r| libc::pollfd { fd: r.raw_fd(), events: libc::POLLIN, revents: 0 }).collect();
-    // SAFETY: `fds` is a live array of `fds.len()` pollfd structs, and every descriptor in it is
-    // held open by its reader, which `readers` borrows for the whole call.
-    let n = unsafe { libc::poll(fds.as_mut_ptr(), fds.len() as libc::nfds_t, 0) };
-    fds.into_iter().zip(readers).map(move |(p, r)| (n > 0 && p.revents != 0) || r.ring_waiting())
+/// the peer's packets for the lock of the very socket it waits on. A shared-memory reader's
+/// ring is looked at directly; its socket, which only carries doorbells and its end, only when
+/// `sockets` (a polling thread asks every few looks), so that a thread spinning on rings alone
+/// makes no system call.
+pub(crate) fn readable(readers: &[Arc<FastReader>], sockets: bool) -> impl Iterator<Item = bool> {
+    let mut fds: Vec<libc::pollfd> = readers
+        .iter()
+        .map(|r| {
+            let fd = if r.shm.is_some() && !sockets { -1 } else { r.raw_fd() };
+            libc::pollfd { fd, events: libc::POLLIN, revents: 0 }
+        })
+        .collect();
+    let n = if fds.iter().all(|p| p.fd < 0) {
+        0
+    } else {
+        // SAFETY: `fds` is a live array of `fds.len()` pollfd structs, and every descriptor in
+        // it is held open by its reader, which `readers` borrows for the whole call (poll skips
+        // the negative ones).
+        unsafe { libc::poll(fds.as_mut_ptr(), fds.len() as libc::nfds_t, 0) }
+    };
+    fds.into_iter().zip(readers).map(move |(p, r)| {
+        let socket = n > 0 && p.revents != 0;
+        if socket && r.shm.is_some() {
+            r.socket_ready.store(true, Ordering::Release);
+        }
+        socket || r.ring_waiting()
+    })
 }
 
 /// A connection's shared-memory rings and what serves them (see the [module docs](self)).
@@ -475,7 +511,9 @@ impl ShmPath {
 
     /// Move what the ring holds into the assembler; when it is empty, take the socket's
     /// doorbells (which may also be for the writer: room in the outgoing ring) and its end.
-    pub(crate) fn step(&self, asm: &mut Assembler, socket: &StdStream) -> ShmStep {
+    /// `socket`: look at the socket too (a polling thread does only when `poll(2)` said it
+    /// has something).
+    pub(crate) fn step(&self, asm: &mut Assembler, socket: Option<&StdStream>) -> ShmStep {
         let mut ring = self.ring();
         match ring.read(asm.read_buf()) {
             Ok(0) => {}
@@ -495,6 +533,7 @@ impl ShmPath {
         if self.eof.load(Ordering::Acquire) {
             return ShmStep::End(asm.eof());
         }
+        let Some(socket) = socket else { return ShmStep::Empty };
         let mut bells = [0u8; 64];
         match (&*socket).read(&mut bells) {
             Ok(0) => {
