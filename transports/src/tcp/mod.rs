@@ -293,7 +293,7 @@ impl Inner {
                 delivered = r.drain(self, true, &mut acc);
             } else {
                 // Shared-memory sockets carry only doorbells and their end: every 8th look.
-                let sockets = self.looks.fetch_add(1, std::sync::atomic::Ordering::Relaxed) % 8 == 0;
+                let sockets = self.looks.fetch_add(1, std::sync::atomic::Ordering::Relaxed).is_multiple_of(8);
                 for (r, ready) in readers.iter().zip(socket::readable(&readers, sockets)) {
                     if ready {
                         delivered |= r.drain(self, true, &mut acc);
