@@ -143,8 +143,12 @@ pub(crate) async fn dial_one<N: Net>(
         let attempt = async {
             match net.connect(&addr.ip().to_string(), addr.port()).await {
                 Ok(mut s) => {
-                    // A pair's first connection offers shared memory (see `shm`).
-                    let plan = if N::SHARES_MEMORY && opts.shared_memory && index == 0 {
+                    // A pair's first connection offers shared memory (see `shm`) when the peer
+                    // may be on this host: it publishes this rank's address, or loopback. A
+                    // segment for each remote peer would cost its memory for nothing.
+                    let ip = addr.ip();
+                    let here = ip.is_loopback() || ip == opts.bind_addr || opts.bind_addr.is_unspecified();
+                    let plan = if N::SHARES_MEMORY && opts.shared_memory && index == 0 && here {
                         match shmem::create(expect.rank, Rank(peer), expect.group, opts.shm_ring_bytes) {
                             Ok(created) => ShmPlan::Offer(created),
                             Err(e) => {
