@@ -34,7 +34,7 @@ use super::link;
 use super::options::TcpOptions;
 use super::rendezvous::{
     Accepted, Conn, HandshakeFailure, InitError, accepted_handshake, addr_key, all_published_key, dial_one, error_key,
-    is_misconfigured_rank, published_count_key,
+    is_misconfigured_rank, may_share_memory, published_count_key,
 };
 use super::state::DriverState;
 use super::tunables::{HANDSHAKE_TIMEOUT, STORE_ERROR_POLL};
@@ -207,7 +207,7 @@ impl ProcessGroup {
         ];
         if let Some(listener) = lazy_listener {
             let expect = HandshakeExpectation::new(gid, me, world_size).with_connections_per_peer(k);
-            let shm = N::SHARES_MEMORY && inner.opts.shared_memory;
+            let shm = may_share_memory::<N>(&inner.opts);
             tasks.push(tokio::spawn(super::lazy::serve_accepts(listener, weak, expect, secret, shm)));
         }
         inner.tasks.lock().unwrap_or_else(|p| p.into_inner()).extend(tasks);
@@ -380,7 +380,7 @@ async fn mesh<N: Net>(
                 accepted = tokio::time::timeout_at(deadline, listener.accept()) => match accepted {
                     Ok(Ok((stream, remote))) => {
                         let limit = HANDSHAKE_TIMEOUT.min(opts.init_timeout);
-                        let shm = N::SHARES_MEMORY && opts.shared_memory;
+                        let shm = may_share_memory::<N>(opts);
                         pending.spawn(accepted_handshake(stream, remote, expect, opts.auth.clone(), limit, shm));
                     }
                     Ok(Err(e)) => tracing::warn!("accept failed: {e}"),

@@ -148,7 +148,7 @@ pub(crate) async fn dial_one<N: Net>(
                     // segment for each remote peer would cost its memory for nothing.
                     let ip = addr.ip();
                     let here = ip.is_loopback() || ip == opts.bind_addr || opts.bind_addr.is_unspecified();
-                    let plan = if N::SHARES_MEMORY && opts.shared_memory && index == 0 && here {
+                    let plan = if may_share_memory::<N>(opts) && index == 0 && here {
                         match shmem::create(expect.rank, Rank(peer), expect.group, opts.shm_ring_bytes) {
                             Ok(created) => ShmPlan::Offer(created),
                             Err(e) => {
@@ -186,6 +186,12 @@ pub(crate) async fn dial_one<N: Net>(
         tokio::time::sleep(backoff).await;
         backoff = (backoff * 2).min(DIAL_BACKOFF_MAX);
     }
+}
+
+/// Whether this rank may share memory with peers of its host: on real sockets only, and when
+/// the options allow it (see `shm`).
+pub(crate) fn may_share_memory<N: Net>(opts: &TcpOptions) -> bool {
+    N::SHARES_MEMORY && opts.shared_memory
 }
 
 /// A connection and the shared memory agreed on it, if any.
