@@ -22,6 +22,13 @@ the work ends. A non-contiguous tensor, one whose memory is not 8-byte aligned, 
 overlap within one call go through a copy, written back when the work ends. As with every
 backend, a tensor must not be read or written while a collective on it is in flight: wait first.
 
+``dist.recv(tensor, src=None)``
+------------------------------
+torch 2.15 wraps the work a Python backend returns in a C++ holder that forwards only
+``wait()`` and ``get_future()``, so torch's ``recv(src=None)`` cannot ask it for the sender.
+Importing this module replaces ``torch.distributed.recv`` with :func:`_recv`, which answers that
+one case on cohort groups and hands every other call to torch's own ``recv``.
+
 Errors
 ------
 A failed collective raises :class:`CohortError` (a ``RuntimeError``) from ``work.wait()`` and
@@ -44,6 +51,7 @@ from __future__ import annotations
 
 import atexit
 import datetime
+import functools
 import logging
 import threading
 import weakref
@@ -51,6 +59,7 @@ from typing import Any, Callable, Sequence
 
 import torch
 import torch.distributed as dist
+import torch.distributed.distributed_c10d as _c10d
 from torch._C._distributed_c10d import Backend as _C10dBackend
 from torch._C._distributed_c10d import Work as _C10dWork
 
@@ -482,6 +491,47 @@ def _shutdown_all() -> None:
         except Exception as e:  # noqa: BLE001 (best effort at exit)
             _log.debug("shutdown at exit failed: %s", e)
 
+
+def _cohort_backend_of(group: Any) -> CohortBackend | None:
+    """The cohort backend behind ``group`` (``None``: the default group), if it has one."""
+    try:
+        pg = _c10d._group_or_default_group(group)
+        backend = pg._get_backend(torch.device("cpu"))
+    except (RuntimeError, ValueError, AttributeError):
+        return None
+    return backend if isinstance(backend, CohortBackend) else None
+
+
+_torch_recv = _c10d.recv
+
+
+@functools.wraps(_torch_recv)
+def _recv(tensor: torch.Tensor, src: int | None = None, group: Any = None, tag: int = 0,
+          group_src: int | None = None) -> int:
+    """``dist.recv``, with ``src=None`` on a cohort group answered by cohort.
+
+    torch 2.15's ``recv(src=None)`` asks the handle ``recv_anysource`` returned for its source
+    rank, and the C++ handle torch wraps around a Python work forwards only ``wait()`` and
+    ``get_future()``, so the question fails there for every Python backend. On a cohort group
+    this receives through the backend itself and asks cohort's work; everything else (a given
+    source, other backends, tensor subclasses) goes to torch's own ``recv`` unchanged.
+    """
+    if src is None and group_src is None and not torch.overrides.has_torch_function((tensor,)):
+        backend = _cohort_backend_of(group)
+        if backend is not None and not _c10d._rank_not_in_group(group):
+            _c10d._check_single_tensor(tensor, "tensor")
+            if tensor.is_complex():
+                tensor = torch.view_as_real(tensor)
+            work = backend.recv_anysource([tensor], tag)
+            work.wait()
+            return _c10d.get_global_rank(_c10d._group_or_default_group(group), work.source_rank())
+    return _torch_recv(tensor, src=src, group=group, tag=tag, group_src=group_src)
+
+
+# `torch.distributed.recv` is the same function object as `distributed_c10d.recv`: both names
+# are replaced, so either spelling reaches `_recv`.
+_c10d.recv = _recv
+dist.recv = _recv
 
 if BACKEND_NAME.upper() not in dist.Backend._plugins:
     dist.Backend.register_backend(BACKEND_NAME, _create, devices=["cpu"])

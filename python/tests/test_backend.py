@@ -97,6 +97,7 @@ def test_what_gloo_lacks_gives_the_expected_results(tmp_path: Path, world: int) 
         assert torch.equal(out["funcol/all_reduce"], expect_sum)
         assert bool(out["is_completed"])
     assert ours[0]["anysource"].tolist() == [[r, r * 10] for r in range(1, world)]
+    assert ours[0]["anysource/subgroup"].tolist() == [world - 1, (world - 1) * 100]
 
 
 @pytest.mark.parametrize("world", [2, 3])

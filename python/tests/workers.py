@@ -167,21 +167,24 @@ def cohort_only(out: dict, rank: int, world: int) -> None:
         dist.all_reduce(t, op=op)
         out[f"bool/{name}"] = t
 
-    # Any-source receive: rank 0 hears from every other rank, in whatever order. Through the
-    # backend: torch 2.15's dist.recv(src=None) asks the C++ wrapper of a Python work for its
-    # source rank, which it does not forward.
+    # Any-source receive: rank 0 hears from every other rank, in whatever order, through
+    # dist.recv(src=None), which returns the source.
     if rank == 0:
-        backend = dist.group.WORLD._get_backend(torch.device("cpu"))
-        assert isinstance(backend, cohort_torch.CohortBackend), type(backend)
         seen = []
         for _ in range(world - 1):
             r = torch.zeros(1, dtype=torch.int64)
-            work = backend.recv_anysource([r], 0)
-            work.wait()
-            seen.append((work.source_rank(), int(r.item())))
+            src = dist.recv(r, src=None)
+            seen.append((src, int(r.item())))
         out["anysource"] = torch.tensor(sorted(seen))
     else:
         dist.send(torch.tensor([rank * 10]), 0)
+    # In a subgroup of the first and last rank, the source comes back as a global rank.
+    pair = dist.new_group([0, world - 1])
+    if rank == 0:
+        r = torch.zeros(1, dtype=torch.int64)
+        out["anysource/subgroup"] = torch.tensor([dist.recv(r, src=None, group=pair), int(r.item())])
+    elif rank == world - 1:
+        dist.send(torch.tensor([rank * 100]), 0, group=pair)
 
     dist.monitored_barrier(timeout=datetime.timedelta(seconds=30))
     out["monitored_barrier"] = torch.tensor(1)
