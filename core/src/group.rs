@@ -767,8 +767,11 @@ pub struct GroupState {
     lost: BTreeMap<Rank, String>,
     /// Lost peers that said goodbye: what they sent before leaving may still be received.
     departed: std::collections::BTreeSet<Rank>,
-    /// Peers connected so far ([`GroupConfig::lazy_peers`]; every peer otherwise).
-    connected: std::collections::BTreeSet<Rank>,
+    /// Peers connected so far ([`GroupConfig::lazy_peers`]; every peer otherwise), with when
+    /// each was last heard from (frames or heartbeats), since the epoch; read when its silence
+    /// timer fires. Only connected peers have an entry, so a rank keeps nothing, and loops over
+    /// nothing, for peers it never talks to.
+    connected: BTreeMap<Rank, Duration>,
     /// Each peer's stuck notes, by the collective it was stuck in: whom it waited for. Kept per
     /// collective, not just the latest: with several collectives in flight (DDP's buckets) a
     /// peer sends a note for each, and the chain of collective `seq` must read the note for
@@ -778,9 +781,6 @@ pub struct GroupState {
     transmits: VecDeque<Transmit>,
     launches: VecDeque<Launch>,
     events: VecDeque<Event>,
-    /// When each rank was last heard from (frames or heartbeats), since the epoch; read when
-    /// its silence timer fires.
-    heard: Vec<Duration>,
     /// The last profiling name formatted for the recorder (its allocation is reused).
     name_buf: String,
     /// The recorder's id of each collective's profiling name (`backend:op`), interned on first
@@ -834,7 +834,7 @@ impl GroupState {
             last_timeout_reason: None,
             lost: BTreeMap::new(),
             departed: std::collections::BTreeSet::new(),
-            connected: std::collections::BTreeSet::new(),
+            connected: BTreeMap::new(),
             peer_stuck: BTreeMap::new(),
             health: Health::Healthy,
             transmits: VecDeque::new(),
@@ -842,19 +842,18 @@ impl GroupState {
             events: VecDeque::new(),
             name_buf: String::new(),
             collective_names: Vec::new(),
-            heard: vec![Duration::ZERO; cfg.world_size as usize],
             signatures: VecDeque::new(),
             censuses: BTreeMap::new(),
             cfg,
         };
         if !g.cfg.lazy_peers {
-            g.connected = g.peers().into_iter().collect();
+            g.connected = g.peers().into_iter().map(|r| (r, Duration::ZERO)).collect();
         }
         if let Some(hb) = g.cfg.heartbeat
             && g.cfg.world_size > 1
         {
             g.timers.set(TimerKind::Heartbeat, Duration::ZERO);
-            for peer in g.connected.clone() {
+            for peer in g.connected.keys().copied().collect::<Vec<_>>() {
                 g.timers.set(TimerKind::PeerSilence(peer), hb.dead_after);
             }
         }
@@ -1107,8 +1106,8 @@ impl GroupState {
         }
         census.voted = true;
         census.votes.insert(me, sig);
-        for to in self.peers() {
-            if self.connected.contains(&to) && !self.lost.contains_key(&to) {
+        for &to in self.connected.keys() {
+            if !self.lost.contains_key(&to) {
                 self.transmits.push_back(Transmit { to, msg: ControlMsg::Census { seq, sig } });
             }
         }
@@ -1289,13 +1288,11 @@ impl GroupState {
             && from != self.rank
             && from.0 < self.cfg.world_size
             && !self.lost.contains_key(&from)
-            && self.connected.contains(&from)
-        {
             // The silence timer is not moved on every frame: it fires at its old deadline and
             // is set again from here (see `handle_timeout`).
-            if let Some(t) = self.heard.get_mut(from.index()) {
-                *t = now;
-            }
+            && let Some(t) = self.connected.get_mut(&from)
+        {
+            *t = now;
         }
     }
 
@@ -1307,12 +1304,12 @@ impl GroupState {
             || peer.0 >= self.cfg.world_size
             || self.lost.contains_key(&peer)
             || self.departed.contains(&peer)
-            || !self.connected.insert(peer)
+            || self.connected.contains_key(&peer)
         {
             return;
         }
+        self.connected.insert(peer, now);
         if let Some(hb) = self.cfg.heartbeat {
-            self.heard[peer.index()] = now;
             self.timers.set(TimerKind::PeerSilence(peer), now.saturating_add(hb.dead_after));
         }
         // A peer that connects while this rank is stuck (often one stuck on it, asking) hears
@@ -1329,7 +1326,7 @@ impl GroupState {
 
     /// Whether `peer` is connected (always, unless [`GroupConfig::lazy_peers`]).
     pub fn is_connected(&self, peer: Rank) -> bool {
-        self.connected.contains(&peer)
+        self.connected.contains_key(&peer)
     }
 
     /// The connection to `rank` is gone (EOF, reset, or the driver gave up on it). Every work
@@ -1370,7 +1367,7 @@ impl GroupState {
             if let TimerKind::PeerSilence(rank) = kind {
                 // The peer was heard from since the timer was set: watch again from then.
                 let dead_after = self.cfg.heartbeat.map(|h| h.dead_after).unwrap_or_default();
-                let due = self.heard.get(rank.index()).map_or(Duration::ZERO, |t| t.saturating_add(dead_after));
+                let due = self.connected.get(&rank).map_or(Duration::ZERO, |t| t.saturating_add(dead_after));
                 if due > now {
                     self.timers.set(kind, due);
                     continue;
@@ -1379,8 +1376,8 @@ impl GroupState {
             self.last_timeout_reason = Some(kind);
             match kind {
                 TimerKind::Heartbeat => {
-                    for to in self.peers() {
-                        if !self.lost.contains_key(&to) && self.connected.contains(&to) {
+                    for &to in self.connected.keys() {
+                        if !self.lost.contains_key(&to) {
                             self.transmits.push_back(Transmit { to, msg: ControlMsg::Heartbeat });
                         }
                     }
@@ -1583,9 +1580,13 @@ impl GroupState {
         }
         w.stuck_on = Some(waiting_on.clone());
         let seq = w.seq;
-        for to in self.peers() {
-            let told = self.connected.contains(&to) || (self.cfg.lazy_peers && waiting_on.contains(&to));
-            if told && !self.lost.contains_key(&to) && !self.departed.contains(&to) {
+        // Connected peers, and under lazy connection the ranks it waits for (in rank order).
+        let mut told: std::collections::BTreeSet<Rank> = self.connected.keys().copied().collect();
+        if self.cfg.lazy_peers {
+            told.extend(waiting_on.iter().copied().filter(|&r| r != self.rank && r.0 < self.cfg.world_size));
+        }
+        for to in told {
+            if !self.lost.contains_key(&to) && !self.departed.contains(&to) {
                 self.transmits
                     .push_back(Transmit { to, msg: ControlMsg::Stuck { seq, waiting_on: waiting_on.clone() } });
             }
@@ -1662,13 +1663,16 @@ impl GroupState {
     /// rank that hears nobody is cut off from every peer. One silent rank is blamed alone.
     fn peer_silent(&mut self, now: Duration, rank: Rank) {
         let dead_after = self.cfg.heartbeat.map(|h| h.dead_after).unwrap_or_default();
-        let watched: Vec<Rank> = self
-            .peers()
-            .into_iter()
-            .filter(|r| self.connected.contains(r) && !self.lost.contains_key(r) && !self.departed.contains(r))
+        let watched: Vec<(Rank, Duration)> = self
+            .connected
+            .iter()
+            .map(|(&r, &t)| (r, t))
+            .filter(|(r, _)| !self.lost.contains_key(r) && !self.departed.contains(r))
             .collect();
-        let quiet = |r: &Rank| *r == rank || now.saturating_sub(self.heard[r.index()]) > dead_after / 2;
-        let (silent, heard): (Vec<Rank>, Vec<Rank>) = watched.iter().copied().partition(quiet);
+        let quiet = |&(r, t): &(Rank, Duration)| r == rank || now.saturating_sub(t) > dead_after / 2;
+        let (silent, heard): (Vec<_>, Vec<_>) = watched.iter().copied().partition(quiet);
+        let (silent, heard): (Vec<Rank>, Vec<Rank>) =
+            (silent.into_iter().map(|(r, _)| r).collect(), heard.into_iter().map(|(r, _)| r).collect());
         let reason = format!("no heartbeat or data from rank {rank} for {} ms", dead_after.as_millis());
         if silent.len() < 2 {
             self.peer_lost(now, rank, reason, Blame::rank(rank));
@@ -1780,8 +1784,8 @@ impl GroupState {
         // all at once while the job fails. A peer this rank has no link with cannot mistake
         // its closing links for the failure; it hears from a connected peer, which passes the
         // failure on the same way, or from the store, where the failure is published.
-        for to in self.peers() {
-            if !self.lost.contains_key(&to) && self.connected.contains(&to) && (local || to != failure.origin) {
+        for &to in self.connected.keys() {
+            if !self.lost.contains_key(&to) && (local || to != failure.origin) {
                 self.transmits.push_back(Transmit {
                     to,
                     msg: ControlMsg::Error {
@@ -1813,8 +1817,8 @@ impl GroupState {
         }
         // Connected peers only, as for a failure (see `fail_group`): the others hear from them
         // or from the store.
-        for to in self.peers() {
-            if !self.lost.contains_key(&to) && self.connected.contains(&to) && Some(to) != heard_from {
+        for &to in self.connected.keys() {
+            if !self.lost.contains_key(&to) && Some(to) != heard_from {
                 self.transmits.push_back(Transmit { to, msg: ControlMsg::Abort { reason: reason.clone() } });
             }
         }
@@ -1827,7 +1831,8 @@ impl GroupState {
     /// After a failure or an abort nothing is left to time: heartbeats and silence checks stop.
     fn stop_timers(&mut self) {
         self.timers.cancel(TimerKind::Heartbeat);
-        for peer in self.peers() {
+        // Silence is watched only for connected peers (`handle_peer_connected`).
+        for &peer in self.connected.keys() {
             self.timers.cancel(TimerKind::PeerSilence(peer));
         }
     }

@@ -235,6 +235,9 @@ impl DumpMeta {
     }
 }
 
+/// Ranks as runs of consecutive ranks, each its first and last.
+type RankRuns = Vec<(u64, u64)>;
+
 /// The flight recorder of one rank: a bounded ring of entries over all its process groups.
 /// See the [module docs](self) for the calling contract.
 #[derive(Debug)]
@@ -253,8 +256,9 @@ pub struct FlightRecorder {
     groups: Vec<GroupKey>,
     /// `pg_status`, by pg id.
     statuses: BTreeMap<u64, PgStatus>,
-    /// `pg_config`: name → (desc, ranks).
-    pg_config: BTreeMap<Box<str>, (Box<str>, Vec<u64>)>,
+    /// `pg_config`: name → (desc, ranks as runs of consecutive ranks, first and last): a group
+    /// of consecutive ranks, the world's above all, costs one run however many ranks it has.
+    pg_config: BTreeMap<Box<str>, (Box<str>, RankRuns)>,
     /// Interned profiling names. Grows with the number of distinct names (ops × backends, and
     /// peers for point-to-point ops), never with the number of records.
     names: Vec<Box<str>>,
@@ -393,7 +397,15 @@ impl FlightRecorder {
         if !self.is_enabled() {
             return;
         }
-        self.pg_config.insert(name.into(), (desc.into(), ranks.to_vec()));
+        let mut runs = RankRuns::new();
+        for &r in ranks {
+            match runs.last_mut() {
+                Some((_, last)) if last.checked_add(1) == Some(r) => *last = r,
+                _ => runs.push((r, r)),
+            }
+        }
+        runs.shrink_to_fit();
+        self.pg_config.insert(name.into(), (desc.into(), runs));
         self.statuses.entry(pg_id).or_default();
     }
 
@@ -547,9 +559,9 @@ impl FlightRecorder {
         let pg_config = self
             .pg_config
             .iter()
-            .map(|(name, (desc, ranks))| {
-                let config =
-                    PgConfig { name: name.to_string(), desc: desc.to_string(), ranks: ranks.as_slice().into() };
+            .map(|(name, (desc, runs))| {
+                let ranks = runs.iter().flat_map(|&(first, last)| first..=last).collect();
+                let config = PgConfig { name: name.to_string(), desc: desc.to_string(), ranks };
                 (name.to_string(), config)
             })
             .collect();

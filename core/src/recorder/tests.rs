@@ -131,6 +131,19 @@ fn every_group_gets_its_own_status_and_config() {
 }
 
 #[test]
+fn a_groups_ranks_come_back_as_given_whatever_their_runs() {
+    let mut fr = recorder(4);
+    let lists: [&[u64]; 5] = [&[], &[3], &[0, 1, 2, 3], &[7, 2, 3, 4, 9, 10, 0], &[u64::MAX - 1, u64::MAX, 0, 0]];
+    for (i, ranks) in lists.iter().enumerate() {
+        fr.record_group(i as u64, &i.to_string(), "g", ranks);
+    }
+    let dump = fr.dump(meta());
+    for (i, ranks) in lists.iter().enumerate() {
+        assert_eq!(&*dump.pg_config[&i.to_string()].ranks, *ranks, "group {i}");
+    }
+}
+
+#[test]
 fn interned_names_record_as_their_text_and_unknown_ids_say_so() {
     let mut fr = recorder(4);
     let id = fr.intern_name("gloo:broadcast");

@@ -57,7 +57,7 @@ pub(crate) fn attach<S>(
 
 /// Close a connection that cannot be served, through the peer's tally.
 fn refuse(inner: &Arc<Inner>, peer: Rank, reason: String) {
-    let Some(tally) = inner.tallies.get(peer.index()) else { return };
+    let Some(tally) = inner.tallies.get(peer) else { return };
     let closed = link::Inbound::Closed { from: peer, reason, clean: false };
     if tally.pass(&closed) {
         inner.input(|st, fx| deliver(st, fx, closed));
@@ -70,7 +70,7 @@ where
 {
     let (r, w) = tokio::io::split(stream);
     let limits = FrameLimits::new(inner.opts.max_frame);
-    let Some(tally) = inner.tallies.get(peer.index()).cloned() else { return };
+    let Some(tally) = inner.tallies.get(peer) else { return };
     let weak = Arc::downgrade(inner);
     let pool = inner.lock().pool.clone();
     let err_tx = spawn_error_relay(inner, tally.clone());
@@ -97,7 +97,7 @@ fn attach_fast(
     shared: bool,
     shm: Option<&ShmLink>,
 ) {
-    let Some(tally) = inner.tallies.get(peer.index()).cloned() else { return };
+    let Some(tally) = inner.tallies.get(peer) else { return };
     let fast = Arc::new(fast);
     let limits = FrameLimits::new(inner.opts.max_frame);
     let pool = inner.lock().pool.clone();

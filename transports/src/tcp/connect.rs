@@ -120,12 +120,11 @@ impl ProcessGroup {
         let group = GroupState::new(cfg, me, now());
 
         // Every connection to a peer counts in its tally, which turns their closes into one.
-        let tallies: Vec<Arc<link::CloseTally>> = (0..world_size).map(|_| Arc::new(link::CloseTally::new(0))).collect();
-        let mut writers = Vec::with_capacity(world_size as usize);
+        let tallies = link::Tallies::new(world_size);
+        let mut writers = super::state::Writers::new();
         let mut attached = Vec::new();
         for (peer, conns) in streams.into_iter().enumerate() {
             if conns.is_empty() {
-                writers.push(None);
                 continue;
             }
             // This rank writes its large data frames on its direction's set, everything else on
@@ -138,7 +137,9 @@ impl ProcessGroup {
             // Over shared memory, everything goes on connection 0: the segment is its.
             let shared = conns.first().is_some_and(|(_, shm)| shm.is_some());
             for (index, (s, shm)) in conns.into_iter().enumerate() {
-                tallies[peer].add();
+                if let Some(t) = tallies.get(Rank(peer as u32)) {
+                    t.add();
+                }
                 if index == 0 || mine.contains(&index) {
                     let (tx, rx) = link::lane();
                     lanes.push(tx);
@@ -154,7 +155,7 @@ impl ProcessGroup {
             } else {
                 1..k + 1
             };
-            writers.push(Some(Box::new(link::Lanes::with_bulk(lanes, bulk))));
+            writers.insert(Rank(peer as u32), link::Lanes::with_bulk(lanes, bulk));
         }
         let lazy = opts.lazy_connect.then_some(k);
         let secret = opts.auth.clone();

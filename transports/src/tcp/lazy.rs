@@ -56,7 +56,7 @@ async fn dial<N: Net>(net: N, inner: Arc<Inner>, peer: Rank, lanes: Vec<LaneRx>)
         Ok(streams)
     }
     .await;
-    let tally = inner.tallies.get(peer.index()).cloned();
+    let tally = inner.tallies.get(peer);
     match result {
         Ok(streams) => {
             if let Some(tally) = &tally {
@@ -102,7 +102,7 @@ pub(crate) async fn serve_accepts<L: Listener>(
                             tracing::warn!(%remote, "dropping a second connection {index} from rank {peer}");
                             continue;
                         }
-                        if let Some(tally) = inner.tallies.get(peer.index()) {
+                        if let Some(tally) = inner.tallies.get(peer) {
                             tally.add();
                         }
                         set.insert(index, (stream, shm));

@@ -100,7 +100,7 @@ pub(crate) struct Inner {
     /// Where this group came from, if it was split or merged from another.
     lineage: Mutex<Option<split::Lineage>>,
     /// Per peer: turns the closes of its connections into one.
-    tallies: Vec<Arc<link::CloseTally>>,
+    tallies: link::Tallies,
     /// Dials a peer on first use (lazy connection).
     dialer: lazy::Dialer,
     /// The reading sides of this group's real TCP connections, which a thread waiting for a

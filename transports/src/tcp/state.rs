@@ -80,15 +80,18 @@ pub(crate) struct Effects {
     pub(crate) reserve: Vec<(super::link::BufferPool, usize, usize)>,
 }
 
+/// The lanes this rank writes on, by peer: only peers it is connected to have an entry.
+pub(crate) type Writers = std::collections::BTreeMap<Rank, Lanes>;
+
 /// The driver state of one rank in one TCP process group.
 #[derive(Debug)]
 pub(crate) struct DriverState {
     pub(crate) group: GroupState,
     me: Rank,
     gid: GroupId,
-    /// Per peer, the lanes this rank writes to it on, once connected. Boxed: one pointer a
-    /// peer, most of whom a large job under lazy connection never writes to.
-    writers: Vec<Option<Box<Lanes>>>,
+    /// The lanes this rank writes to each peer on, for the peers it is connected to: nothing
+    /// for a peer it never talks to (most peers of a large job under lazy connection).
+    writers: Writers,
     /// The works in flight and the data plane's bookkeeping of them.
     plane: DataPlane<Pending, Vec<u8>>,
     /// Plans of the collectives run so far, reused by later runs of the same ones.
@@ -132,7 +135,7 @@ impl std::fmt::Debug for WrittenHook {
 impl DriverState {
     pub(crate) fn new(
         group: GroupState,
-        writers: Vec<Option<Box<Lanes>>>,
+        writers: Writers,
         lazy: Option<u16>,
         on_written: OnWritten,
         pool: super::link::BufferPool,
@@ -162,7 +165,7 @@ impl DriverState {
     /// and asks for `to` to be dialed. `None` for a closed peer, or a missing one without lazy
     /// connection.
     fn lanes_for(&mut self, to: Rank) -> Option<&Lanes> {
-        let missing = self.writers.get(to.index()).is_some_and(Option::is_none);
+        let missing = to.0 < self.group.config().world_size && !self.writers.contains_key(&to);
         if missing
             && let Some(k) = self.lazy
             && to != self.me
@@ -171,10 +174,10 @@ impl DriverState {
             && self.group.failure().is_none()
         {
             let (txs, rxs): (Vec<_>, Vec<_>) = (0..k).map(|_| super::link::lane()).unzip();
-            self.writers[to.index()] = Some(Box::new(Lanes::new(txs)));
+            self.writers.insert(to, Lanes::new(txs));
             self.dial_requests.push((to, rxs));
         }
-        self.writers.get(to.index()).and_then(Option::as_deref)
+        self.writers.get(&to)
     }
 
     /// The timer task is about to sleep until `deadline`.
@@ -211,12 +214,11 @@ impl DriverState {
             return None;
         }
         self.group.handle_peer_connected(now, peer);
-        let slot = self.writers.get_mut(peer.index())?;
-        if slot.is_some() {
+        if peer.0 >= self.group.config().world_size || self.writers.contains_key(&peer) {
             return None;
         }
         let (txs, rxs): (Vec<_>, Vec<_>) = (0..n).map(|_| super::link::lane()).unzip();
-        *slot = Some(Box::new(Lanes::new(txs)));
+        self.writers.insert(peer, Lanes::new(txs));
         Some(rxs)
     }
 
@@ -278,7 +280,7 @@ impl DriverState {
             FrameKind::Data => self.handle_data(now, from, header.seq, header.step, header.tag, payload),
             FrameKind::P2p => self.handle_p2p(now, from, header.tag, payload),
             FrameKind::Goodbye => {}
-            kind => match decode_control(kind, header.seq, &payload, self.writers.len() as u32) {
+            kind => match decode_control(kind, header.seq, &payload, self.group.config().world_size) {
                 Ok(Some(msg)) => self.group.handle_message(now, from, msg),
                 Ok(None) => {}
                 // A peer's malformed control frame is reported, not obeyed: the connection
@@ -302,9 +304,7 @@ impl DriverState {
         if closed == PeerClosed::Again {
             return;
         }
-        if let Some(w) = self.writers.get_mut(from.index()) {
-            *w = None;
-        }
+        self.writers.remove(&from);
         match closed {
             PeerClosed::Departed => self.departed(now, from),
             PeerClosed::Lost => self.group.handle_peer_lost(now, from, reason),
@@ -457,9 +457,7 @@ impl DriverState {
 
     /// Close every writer: the writer tasks say goodbye and end.
     pub(crate) fn close_links(&mut self) {
-        for w in &mut self.writers {
-            *w = None;
-        }
+        self.writers.clear();
         self.idle.clear();
     }
 
@@ -589,8 +587,7 @@ impl DriverState {
                     let mut header = FrameHeader::data(self.gid, seq, out.step, self.me, bytes.len() as u64);
                     header.tag = tag;
                     let written = super::link::Written { id, hook: on_written.0.clone() };
-                    let lane =
-                        writers.get(to.index()).and_then(Option::as_ref).and_then(|l| l.lane_for(&header, bytes.len()));
+                    let lane = writers.get(&to).and_then(|l| l.lane_for(&header, bytes.len()));
                     lane.map_or(Sent::Gone, |l| l.send_slice(header, bytes, Some(written), mode, |b| pool.bytes(b)))
                 }
             };
@@ -733,8 +730,8 @@ impl DriverState {
 }
 
 /// Queue a frame for `to`; false if the link is gone.
-fn send(writers: &[Option<Box<Lanes>>], to: Rank, out: Outbound) -> bool {
-    writers.get(to.index()).and_then(Option::as_ref).is_some_and(|lanes| lanes.send(out, SendMode::QUEUE) != Sent::Gone)
+fn send(writers: &Writers, to: Rank, out: Outbound) -> bool {
+    writers.get(&to).is_some_and(|lanes| lanes.send(out, SendMode::QUEUE) != Sent::Gone)
 }
 
 /// Hand what a connection delivered to the driver state: a frame, or the connection's end.

@@ -43,6 +43,28 @@ impl CloseTally {
     }
 }
 
+/// The [`CloseTally`] of each peer this rank has connections with, made at its first
+/// connection: nothing for peers it never connects to.
+pub(crate) struct Tallies {
+    world_size: u32,
+    by_peer: std::sync::Mutex<std::collections::BTreeMap<Rank, std::sync::Arc<CloseTally>>>,
+}
+
+impl Tallies {
+    pub(crate) fn new(world_size: u32) -> Self {
+        Tallies { world_size, by_peer: Default::default() }
+    }
+
+    /// `peer`'s tally (made now if it has none); `None` for a rank outside the group.
+    pub(crate) fn get(&self, peer: Rank) -> Option<std::sync::Arc<CloseTally>> {
+        if peer.0 >= self.world_size {
+            return None;
+        }
+        let mut map = self.by_peer.lock().unwrap_or_else(|p| p.into_inner());
+        Some(map.entry(peer).or_insert_with(|| std::sync::Arc::new(CloseTally::new(0))).clone())
+    }
+}
+
 /// What a reader hands the driver.
 #[derive(Debug)]
 pub(crate) enum Inbound {

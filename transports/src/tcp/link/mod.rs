@@ -24,7 +24,7 @@ mod test_util;
 mod writer;
 
 pub(crate) use cork::Corks;
-pub(crate) use inbound::{CloseTally, Inbound};
+pub(crate) use inbound::{CloseTally, Inbound, Tallies};
 pub(crate) use lane::{Gate, LaneRx, LaneTx, Lanes, SendMode, Sent, Wire, lane};
 pub(crate) use outbound::{OnWritten, Outbound, Written};
 pub(crate) use pool::BufferPool;
