@@ -29,6 +29,37 @@ pub use memory::MemoryStore;
 pub use prefix::PrefixStore;
 pub use server::{StoreServerError, TcpStoreServer, TcpStoreServerConfig};
 
+/// A store connection's read buffer (client or server side). It starts at 4 KiB, since most
+/// store messages are a few bytes and a server holds one connection per rank (64 KiB each was
+/// 268 MB for a 4,096-rank job), and doubles, up to 64 KiB, whenever a read fills it.
+struct ReadBuf(Box<[u8]>);
+
+impl ReadBuf {
+    const MIN: usize = 4 << 10;
+    const MAX: usize = 64 << 10;
+
+    fn new() -> Self {
+        ReadBuf(vec![0; Self::MIN].into())
+    }
+
+    /// Where the next read goes.
+    fn space(&mut self) -> &mut [u8] {
+        &mut self.0
+    }
+
+    /// The `n` bytes the last read gave.
+    fn filled(&self, n: usize) -> &[u8] {
+        &self.0[..n]
+    }
+
+    /// The last read's `n` bytes were used: grow if they filled the buffer.
+    fn used(&mut self, n: usize) {
+        if n == self.0.len() && n < Self::MAX {
+            self.0 = vec![0; n * 2].into();
+        }
+    }
+}
+
 /// PyTorch's default store timeout (`Store::kDefaultTimeout`): 300 s.
 pub const DEFAULT_TIMEOUT: Duration = Duration::from_secs(300);
 

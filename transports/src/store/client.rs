@@ -422,13 +422,13 @@ impl<N: Net> Store for TcpStore<N> {
 struct Conn<S> {
     stream: S,
     decoder: ReplyDecoder,
-    read_buf: Box<[u8]>,
+    read_buf: super::ReadBuf,
     broken: Option<String>,
 }
 
 impl<S: AsyncRead + AsyncWrite + Unpin> Conn<S> {
     fn new(stream: S, limits: DecodeLimits) -> Self {
-        Conn { stream, decoder: ReplyDecoder::new(limits), read_buf: vec![0; 64 << 10].into(), broken: None }
+        Conn { stream, decoder: ReplyDecoder::new(limits), read_buf: super::ReadBuf::new(), broken: None }
     }
 
     /// VALIDATE then PING, as PyTorch's client opens every connection (the nonce is the
@@ -495,11 +495,12 @@ impl<S: AsyncRead + AsyncWrite + Unpin> Conn<S> {
             if let Some(reply) = self.decoder.decode(kind).map_err(|source| StoreError::Protocol { op, source })? {
                 return Ok(reply);
             }
-            let n = self.stream.read(&mut self.read_buf).await.map_err(|source| StoreError::Io { op, source })?;
+            let n = self.stream.read(self.read_buf.space()).await.map_err(|source| StoreError::Io { op, source })?;
             if n == 0 {
                 return Err(StoreError::Closed { op, addr: addr.to_owned() });
             }
-            self.decoder.extend(&self.read_buf[..n]);
+            self.decoder.extend(self.read_buf.filled(n));
+            self.read_buf.used(n);
         }
     }
 

@@ -252,7 +252,7 @@ async fn serve_client<S: AsyncRead + AsyncWrite + Unpin>(
 ) {
     let (mut reader, mut writer) = tokio::io::split(stream);
     let mut decoder = RequestDecoder::new(limits);
-    let mut buf = vec![0u8; 64 << 10];
+    let mut buf = super::ReadBuf::new();
     let ending = loop {
         tokio::select! {
             biased;
@@ -266,11 +266,12 @@ async fn serve_client<S: AsyncRead + AsyncWrite + Unpin>(
                 Some(Outgoing::Close(reason)) => break Ending::Refused(reason),
                 None => break Ending::Shutdown,
             },
-            read = reader.read(&mut buf) => match read {
+            read = reader.read(buf.space()) => match read {
                 Ok(0) if decoder.buffered() == 0 => break Ending::Eof,
                 Ok(0) => break Ending::Truncated(decoder.buffered()),
                 Ok(n) => {
-                    decoder.extend(&buf[..n]);
+                    decoder.extend(buf.filled(n));
+                    buf.used(n);
                     if let Err(e) = serve_requests(&shared, client, &mut decoder) {
                         break Ending::Garbage(e);
                     }
