@@ -422,6 +422,33 @@ impl Consumer {
         Ok(n)
     }
 
+    /// Let `f` use the waiting bytes where they lie, up to the ring's end (bytes that wrap
+    /// around come in a later call), then release as many as it says it used (at most what it
+    /// saw); its other result is returned. For a reader that consumes a frame straight out of
+    /// the ring instead of copying it out first ([`Consumer::read`]).
+    ///
+    /// The bytes are the peer's to have written, not to change: a well-behaved producer never
+    /// writes between the reader's position and its own. A hostile one may, while `f` reads
+    /// them; like [`Consumer::read`]'s, they are then plain bytes that `f` must check as it
+    /// would any from the peer (no length or index may come from them unchecked).
+    pub fn read_in_place<R>(&mut self, f: impl FnOnce(&[u8]) -> (usize, R)) -> Result<R, ShmError> {
+        let waiting = self.available()?;
+        let cap = self.seg.capacity as usize;
+        let at = (self.head % cap as u64) as usize;
+        let run = waiting.min(cap - at);
+        // SAFETY: `at + run <= cap`, inside this ring's data area; the bytes from `head` to
+        // `tail` belong to the consumer until it publishes `head`, which happens only below,
+        // after `f` has returned (and `&mut self` keeps every other read out meanwhile).
+        let bytes = unsafe { std::slice::from_raw_parts(self.seg.data(self.dir).add(at), run) };
+        let (used, out) = f(bytes);
+        let used = used.min(run);
+        if used > 0 {
+            self.head += used as u64;
+            self.seg.word(self.dir, HEAD).store(self.head, Ordering::Release);
+        }
+        Ok(out)
+    }
+
     /// Ask the producer for a doorbell when it writes; true if bytes are waiting already (the
     /// request then stands, and a doorbell may come anyway).
     pub fn request_data(&self) -> Result<bool, ShmError> {
@@ -692,17 +719,26 @@ mod tests {
     proptest::proptest! {
         #[test]
         fn any_interleaving_of_writes_and_reads_delivers_the_bytes_in_order(
-            ops in proptest::collection::vec((0usize..9000, 0usize..9000), 1..40),
+            ops in proptest::collection::vec((0usize..9000, 0usize..9000, proptest::bool::ANY), 1..40),
         ) {
             let (mut p, mut c, _seg) = pair(4096);
             let (mut sent, mut got) = (Vec::new(), Vec::new());
             let mut out = vec![0u8; 9000];
-            for (i, (w, r)) in ops.into_iter().enumerate() {
+            for (i, (w, r, in_place)) in ops.into_iter().enumerate() {
                 let chunk: Vec<u8> = (0..w).map(|j| (i * 31 + j) as u8).collect();
                 let n = p.write([&chunk[..]]).unwrap();
                 sent.extend_from_slice(&chunk[..n]);
-                let m = c.read(&mut out[..r]).unwrap();
-                got.extend_from_slice(&out[..m]);
+                if in_place {
+                    // Use `r` bytes of what it sees (claiming more releases only what it saw).
+                    let seen = c.read_in_place(|b| {
+                        got.extend_from_slice(&b[..r.min(b.len())]);
+                        (r, b.len())
+                    }).unwrap();
+                    proptest::prop_assert!(seen <= 4096);
+                } else {
+                    let m = c.read(&mut out[..r]).unwrap();
+                    got.extend_from_slice(&out[..m]);
+                }
             }
             loop {
                 let m = c.read(&mut out).unwrap();

@@ -1,7 +1,8 @@
 //! Data-plane frames: the streaming decoder the TCP transport reads with, fed arbitrary bytes in
 //! arbitrary pieces (handed over, or read into its own buffers as production does, with a small
 //! staging buffer so that payloads are read straight into theirs), with or without the
-//! connection's peer to check senders against; the fixed header decoder; and the
+//! connection's peer to check senders against, or with whole frames taken in place as a
+//! shared-memory reader takes them; the fixed header decoder; and the
 //! control-message codec on every decoded frame. Never a panic; a decoded frame re-encodes to
 //! the bytes it came from; a decoded control message re-encodes to a frame that decodes to it
 //! again; nothing larger than the limit is ever accepted; no frame from another sender passes
@@ -30,6 +31,7 @@ fuzz_target!(|input: (u16, u32, u16, &[u8])| {
         dec = dec.expect_source(peer);
     }
     let read_into = mode & 2 == 2;
+    let in_place = read_into && mode & 4 == 4;
     let piece = usize::from(piece % 97) + 1;
     let check = |dec: &mut FrameDecoder| -> bool {
         while let Some(frame) = dec.poll_frame() {
@@ -57,6 +59,27 @@ fuzz_target!(|input: (u16, u32, u16, &[u8])| {
             while !chunk.is_empty() {
                 if !check(&mut dec) {
                     return;
+                }
+                // As a shared-memory reader does: a whole frame waiting at a frame boundary is
+                // taken in place, under the same checks.
+                if in_place {
+                    match dec.peek_frame(chunk) {
+                        Some(Ok((h, len))) => {
+                            assert_eq!(h.payload_len, len as u64);
+                            assert!(h.payload_len <= limits.max_payload);
+                            assert!(HEADER_LEN + len <= chunk.len(), "a peeked frame lies within the bytes");
+                            if let Some(peer) = source {
+                                assert_eq!(h.source, peer, "the source check let another sender through");
+                            }
+                            chunk = &chunk[HEADER_LEN + len..];
+                            continue;
+                        }
+                        Some(Err(_)) => {
+                            assert_eq!(dec.poll_frame(), None, "a peeked failure is reported once");
+                            return;
+                        }
+                        None => {}
+                    }
                 }
                 let buf = dec.read_buf();
                 assert!(!buf.is_empty(), "read_buf is never empty after a drain");

@@ -14,6 +14,8 @@ use libfuzzer_sys::fuzz_target;
 enum Op {
     Write(u16),
     Read(u16),
+    /// Read in place, using up to this many of the bytes seen.
+    ReadInPlace(u16),
     RequestData,
     RequestSpace,
     /// The peer scribbles: field 0 tail, 1 head, 2 want_data, 3 want_space, of either ring.
@@ -75,6 +77,20 @@ fuzz_target!(|bytes: &[u8]| {
                 }
                 Err(e) => assert!(scribbled && matches!(e, ShmError::Corrupt(_)), "{e}"),
             },
+            Op::ReadInPlace(n) => {
+                let used = c.read_in_place(|b| {
+                    assert!(b.len() <= 4096, "saw {} bytes of a 4096-byte ring", b.len());
+                    let k = (n as usize).min(b.len());
+                    got.extend_from_slice(&b[..k]);
+                    (n as usize, ())
+                });
+                match used {
+                    Ok(()) => {
+                        let _ = c.take_space_request();
+                    }
+                    Err(e) => assert!(scribbled && matches!(e, ShmError::Corrupt(_)), "{e}"),
+                }
+            }
             Op::RequestData => {
                 let _ = c.request_data();
             }

@@ -240,6 +240,12 @@ impl<W, P> DataPlane<W, P> {
         self.running.iter().map(|(_, &id)| id).collect()
     }
 
+    /// The running collective `seq` is, if it runs: a frame for it would be fed to it
+    /// ([`Route::Feed`]) by [`DataPlane::route`].
+    pub fn running_id(&self, seq: SeqNo) -> Option<WorkId> {
+        self.running.get(&seq).copied()
+    }
+
     /// Where a data frame for collective `seq` goes.
     pub fn route(&mut self, seq: SeqNo, frame: DataFrame<P>) -> Route<P> {
         if let Some(&id) = self.running.get(&seq) {

@@ -273,6 +273,49 @@ impl<B: PayloadBuffers> FrameDecoder<B> {
         }
     }
 
+    /// A whole frame at the start of `bytes`, decoded without copying its payload: the
+    /// header, and the payload's length (the frame is the first [`HEADER_LEN`] + that many
+    /// bytes of `bytes`; the payload follows the header). For a reader whose bytes already sit
+    /// in memory it may use in place, such as a shared-memory ring.
+    ///
+    /// Only when the decoder stands between frames with nothing buffered or queued; `None`
+    /// otherwise, or when `bytes` does not hold the whole frame: nothing changed, read the
+    /// usual way. The header passes exactly the checks a read frame's does, and a header that
+    /// fails them is this decoder's failure, as if it had been read (reported here once;
+    /// [`FrameDecoder::poll_frame`] says `None` after it).
+    pub fn peek_frame(&mut self, bytes: &[u8]) -> Option<Result<(FrameHeader, usize), FrameError>> {
+        if self.failure.is_some() || self.eof || !self.ready.is_empty() || !self.is_between_frames() {
+            return None;
+        }
+        let head: &[u8; HEADER_LEN] = bytes.get(..HEADER_LEN)?.try_into().ok()?;
+        match self.check_header(head) {
+            Ok((header, len)) if bytes.len() - HEADER_LEN >= len => {
+                self.after_large = false;
+                Some(Ok((header, len)))
+            }
+            Ok(_) => None,
+            Err(error) => {
+                self.failure = Some(Failure { error: error.clone(), reported: true });
+                Some(Err(error))
+            }
+        }
+    }
+
+    /// A header's checks: the frame's own (kind, limits) and the connection's source.
+    fn check_header(&self, head: &[u8; HEADER_LEN]) -> Result<(FrameHeader, usize), FrameError> {
+        let header = FrameHeader::decode(head, &self.limits)?;
+        if let Some(expected) = self.source
+            && header.source != expected
+        {
+            return Err(FrameError::WrongSource { expected, claimed: header.source });
+        }
+        let Ok(len) = usize::try_from(header.payload_len) else {
+            // Only reachable where usize is narrower than the configured limit.
+            return Err(FrameError::PayloadTooLarge { len: header.payload_len, limit: usize::MAX as u64 });
+        };
+        Ok((header, len))
+    }
+
     /// The next frame the buffered bytes complete, if any.
     fn next_frame(&mut self) -> Option<Result<Frame, FrameError>> {
         loop {
@@ -296,20 +339,11 @@ impl<B: PayloadBuffers> FrameDecoder<B> {
             let mut head = [0u8; HEADER_LEN];
             head.copy_from_slice(&self.staging[self.start..self.start + HEADER_LEN]);
             self.start += HEADER_LEN;
-            let header = match FrameHeader::decode(&head, &self.limits) {
+            let (header, len) = match self.check_header(&head) {
                 Ok(h) => h,
                 Err(e) => return Some(Err(e)),
             };
-            if let Some(expected) = self.source
-                && header.source != expected
-            {
-                return Some(Err(FrameError::WrongSource { expected, claimed: header.source }));
-            }
             self.after_large = false;
-            let Ok(len) = usize::try_from(header.payload_len) else {
-                // Only reachable where usize is narrower than the configured limit.
-                return Some(Err(FrameError::PayloadTooLarge { len: header.payload_len, limit: usize::MAX as u64 }));
-            };
             if len == 0 {
                 return Some(Ok(Frame { header, payload: Vec::new() }));
             }
@@ -500,5 +534,75 @@ mod tests {
             proptest::prop_assert_eq!(dec.poll_frame(), None);
             proptest::prop_assert_eq!(fed, frames);
         }
+
+        /// A reader of a ring: the bytes arrive in pieces; whenever a whole frame is waiting at
+        /// a frame boundary it is taken in place, else what waits is read the usual way.
+        /// Together they give the frames that were sent, in order.
+        #[test]
+        fn frames_taken_in_place_and_frames_read_interleave_into_the_stream(
+            lens in proptest::collection::vec(0usize..3 * 4096, 0..8),
+            arrivals in proptest::collection::vec(1usize..3 * 4096, 1..8),
+            reads in proptest::collection::vec(1usize..2 * 4096, 1..8),
+        ) {
+            let frames: Vec<_> = lens.iter().enumerate().map(|(i, &n)| data(i as u64, n, i as u8)).collect();
+            let bytes = wire(&frames);
+            let mut dec = FrameDecoder::with_buffers(FrameLimits::default(), 4096, FreshBuffers).expect_source(Rank(1));
+            let (mut head, mut tail) = (0, 0);
+            let mut got = Vec::new();
+            let (mut arrive, mut read) = (arrivals.iter().cycle(), reads.iter().cycle());
+            while got.len() < frames.len() {
+                tail = (tail + arrive.next().unwrap()).min(bytes.len());
+                loop {
+                    while let Some(f) = dec.poll_frame() {
+                        got.push(f.unwrap());
+                    }
+                    if let Some(peeked) = dec.peek_frame(&bytes[head..tail]) {
+                        let (header, len) = peeked.unwrap();
+                        let payload = bytes[head + HEADER_LEN..head + HEADER_LEN + len].to_vec();
+                        got.push(Frame { header, payload });
+                        head += HEADER_LEN + len;
+                        continue;
+                    }
+                    if head == tail {
+                        break;
+                    }
+                    let buf = dec.read_buf();
+                    let n = buf.len().min(tail - head).min(*read.next().unwrap());
+                    buf[..n].copy_from_slice(&bytes[head..head + n]);
+                    dec.advance(n);
+                    head += n;
+                }
+            }
+            proptest::prop_assert_eq!(head, bytes.len());
+            proptest::prop_assert!(dec.is_between_frames());
+            proptest::prop_assert_eq!(got, frames);
+        }
+    }
+
+    #[test]
+    fn a_peeked_header_that_fails_its_checks_is_the_decoders_failure_once() {
+        let mut dec = FrameDecoder::new(FrameLimits::default()).expect_source(Rank(2));
+        let bytes = wire(&[data(0, 8, 1)]);
+        assert_eq!(dec.peek_frame(&bytes[..HEADER_LEN - 1]), None, "not a whole header yet");
+        assert_eq!(dec.peek_frame(&bytes), Some(Err(FrameError::WrongSource { expected: Rank(2), claimed: Rank(1) })));
+        assert_eq!(dec.peek_frame(&bytes), None);
+        dec.handle_bytes(&bytes);
+        assert_eq!(dec.poll_frame(), None);
+    }
+
+    #[test]
+    fn a_frame_is_peeked_only_whole_and_only_between_frames() {
+        let mut dec = FrameDecoder::new(FrameLimits::default());
+        let bytes = wire(&[data(0, 8, 1), data(1, 4, 2)]);
+        let first = HEADER_LEN + 8;
+        assert_eq!(dec.peek_frame(&bytes[..first - 1]), None, "payload cut short");
+        let (header, len) = dec.peek_frame(&bytes).unwrap().unwrap();
+        assert_eq!((header, len), (data(0, 8, 1).header, 8));
+        // Part of the second frame read the usual way: peeking waits until it is whole.
+        dec.handle_bytes(&bytes[first..first + 3]);
+        assert_eq!(dec.peek_frame(&bytes[first + 3..]), None);
+        dec.handle_bytes(&bytes[first + 3..]);
+        assert_eq!(dec.poll_frame(), Some(Ok(data(1, 4, 2))));
+        assert!(dec.is_between_frames());
     }
 }

@@ -1,14 +1,16 @@
-//! A shared-memory connection whose peer corrupted the ring (the end-to-end tests are in
+//! A shared-memory connection's reading side: frames used in place or copied, and a peer that
+//! corrupted the ring or lied about the sender (the end-to-end tests are in
 //! `transports/tests/tcp_shm.rs`).
 
 use std::sync::Arc;
 
+use cohort_core::protocol::{Frame, FrameHeader, FrameKind};
 use cohort_core::shm::{Direction, Segment, SegmentHeader};
-use cohort_core::{GroupId, Rank};
+use cohort_core::{GroupId, Rank, SeqNo};
 
 use super::link::{Assembler, BufferPool, Inbound};
 use super::shm::ShmLink;
-use super::socket::{ShmPath, ShmStep};
+use super::socket::{InPlace, ShmPath, ShmStep};
 
 #[test]
 fn a_ring_position_the_peer_corrupted_closes_the_connection_naming_it() {
@@ -35,4 +37,66 @@ fn a_ring_position_the_peer_corrupted_closes_the_connection_naming_it() {
         }
         _ => panic!("a corrupt ring must end the connection"),
     }
+}
+
+/// A path over a heap segment whose peer is rank 3, with the peer's producer and our assembler.
+fn peer_path() -> (Arc<ShmPath>, cohort_core::shm::Producer, Assembler, std::net::TcpStream) {
+    let seg = Segment::in_heap(4096).unwrap();
+    seg.init(&SegmentHeader { nonce: 1, capacity: 4096, creator: Rank(0), acceptor: Rank(3), group: GroupId(0) });
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let theirs = std::net::TcpStream::connect(listener.local_addr().unwrap()).unwrap();
+    let (ours, _) = listener.accept().unwrap();
+    ours.set_nonblocking(true).unwrap();
+    let path = ShmPath::new(&ShmLink { segment: seg.clone(), creator: true }, Arc::new(ours));
+    let asm = Assembler::new(Rank(3), cohort_core::protocol::FrameLimits::new(1 << 20), BufferPool::with_limit(0));
+    (path, seg.producer(Direction::FromAcceptor), asm, theirs)
+}
+
+fn data_frame(seq: u64, payload: &[u8]) -> Vec<u8> {
+    let header = FrameHeader::data(GroupId(0), SeqNo(seq), 0, Rank(3), payload.len() as u64);
+    Frame { header, payload: payload.to_vec() }.encode()
+}
+
+#[test]
+fn a_whole_data_frame_is_used_where_it_lies_and_anything_else_is_copied_alone() {
+    let (path, mut peer, mut asm, _theirs) = peer_path();
+    let heartbeat = Frame { header: FrameHeader::heartbeat(Rank(3)), payload: Vec::new() }.encode();
+    let (first, second) = (data_frame(1, &[7; 100]), data_frame(2, &[9; 60]));
+    peer.write([&heartbeat[..], &first[..], &second[..3]]).unwrap();
+    // The heartbeat goes to the assembler alone: the data frame after it stays in the ring.
+    assert!(matches!(path.in_place(&mut asm, |_, _| panic!("not a data frame")), InPlace::Copied));
+    assert!(matches!(asm.poll_frame(), Some(Ok(Inbound::Frame { header, .. })) if header.kind == FrameKind::Heartbeat));
+    assert!(asm.poll_frame().is_none());
+    let mut seen = Vec::new();
+    let fed = path.in_place(&mut asm, |h, payload| {
+        seen.push((h.seq, payload.to_vec()));
+        true
+    });
+    assert!(matches!(fed, InPlace::Fed));
+    assert_eq!(seen, vec![(SeqNo(1), vec![7; 100])]);
+    // Three bytes of the next frame: nothing whole yet.
+    assert!(matches!(path.in_place(&mut asm, |_, _| panic!("not whole")), InPlace::No));
+    peer.write([&second[3..]]).unwrap();
+    // Its collective does not run (the feeder says no): copied, and polled as usual.
+    assert!(matches!(path.in_place(&mut asm, |_, _| false), InPlace::Copied));
+    match asm.poll_frame() {
+        Some(Ok(Inbound::Frame { header, payload, .. })) => assert_eq!((header.seq, payload), (SeqNo(2), vec![9; 60])),
+        _ => panic!("the copied frame comes out of the assembler"),
+    }
+    assert!(matches!(path.in_place(&mut asm, |_, _| panic!("empty")), InPlace::No));
+}
+
+#[test]
+fn a_frame_in_place_from_another_rank_ends_the_connection() {
+    let (path, mut peer, mut asm, _theirs) = peer_path();
+    let header = FrameHeader::data(GroupId(0), SeqNo(1), 0, Rank(2), 4);
+    peer.write([&Frame { header, payload: vec![0; 4] }.encode()[..]]).unwrap();
+    match path.in_place(&mut asm, |_, _| panic!("refused before it is fed")) {
+        InPlace::End(Inbound::Closed { from, reason, clean }) => {
+            assert_eq!((from, clean), (Rank(3), false));
+            assert_eq!(reason, "frame on rank 3's connection claims to come from rank 2");
+        }
+        _ => panic!("a frame naming another sender must end the connection"),
+    }
+    assert!(asm.poll_frame().is_none(), "nothing more after the last word");
 }

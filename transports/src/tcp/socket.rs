@@ -41,6 +41,7 @@ use tokio::io::unix::AsyncFd;
 use tokio::io::{AsyncWrite, Interest};
 use tokio::net::TcpStream;
 
+use cohort_core::protocol::{FrameHeader, FrameKind, HEADER_LEN};
 use cohort_core::shm::{Consumer, Producer};
 
 use super::link::{Assembler, CloseTally, Inbound, Wire};
@@ -331,6 +332,19 @@ impl FastReader {
                 return delivered;
             }
             if let Some(path) = &self.shm {
+                let from = asm.from();
+                let fed = |header: &FrameHeader, payload: &[u8]| {
+                    inner.input_into(acc, |st, fx| st.handle_frame_in_place(super::now(), from, header, payload, fx))
+                };
+                match path.in_place(&mut asm, fed) {
+                    InPlace::Fed => {
+                        delivered = true;
+                        continue;
+                    }
+                    InPlace::Copied => continue,
+                    InPlace::End(last) => return self.end(inner, last, acc),
+                    InPlace::No => {}
+                }
                 let socket = !inline || self.socket_ready.swap(false, Ordering::AcqRel);
                 match path.step(&mut asm, socket.then_some(&*self.socket.std)) {
                     ShmStep::Read => continue,
@@ -459,6 +473,18 @@ pub(crate) struct ShmPath {
     eof: AtomicBool,
 }
 
+/// What [`ShmPath::in_place`] did with the frame at the ring's read position.
+pub(crate) enum InPlace {
+    /// A data frame went to its collective where it lay.
+    Fed,
+    /// A whole frame that could not be used in place went to the assembler: poll it.
+    Copied,
+    /// No whole frame waits at a frame boundary without wrapping: read the usual way.
+    No,
+    /// The connection's last word (a malformed frame, a corrupt ring).
+    End(Inbound),
+}
+
 /// What one look at a shared-memory connection found.
 pub(crate) enum ShmStep {
     /// Bytes went to the assembler, or the socket ended: look again.
@@ -507,6 +533,41 @@ impl ShmPath {
 
     fn cancel_data_request(&self) {
         self.ring().cancel_data_request();
+    }
+
+    /// Take the frame at the ring's read position, if it lies whole there (not wrapping) and
+    /// the assembler stands between frames: a data frame `feed` takes (it says whether its
+    /// collective runs) is used where it lies, and released after; any other whole frame is
+    /// copied into the assembler alone, so that the frames after it can still be used in
+    /// place. `feed` runs with the ring locked.
+    pub(crate) fn in_place(&self, asm: &mut Assembler, feed: impl FnOnce(&FrameHeader, &[u8]) -> bool) -> InPlace {
+        let mut ring = self.ring();
+        let taken = ring.read_in_place(|bytes| match asm.peek_frame(bytes) {
+            None => (0, InPlace::No),
+            Some(Err(last)) => (0, InPlace::End(last)),
+            Some(Ok((header, len))) => {
+                let frame = &bytes[..HEADER_LEN + len];
+                if header.kind == FrameKind::Data && feed(&header, &frame[HEADER_LEN..]) {
+                    (frame.len(), InPlace::Fed)
+                } else {
+                    asm.handle_bytes(frame);
+                    (frame.len(), InPlace::Copied)
+                }
+            }
+        });
+        match taken {
+            Ok(InPlace::No) => InPlace::No,
+            Ok(done) => {
+                if matches!(done, InPlace::Fed | InPlace::Copied) && ring.take_space_request() {
+                    self.wire.doorbell();
+                }
+                done
+            }
+            Err(e) => {
+                let reason = format!("{e} (from rank {}'s shared memory)", asm.from());
+                InPlace::End(Inbound::Closed { from: asm.from(), reason, clean: false })
+            }
+        }
     }
 
     /// Move what the ring holds into the assembler; when it is empty, take the socket's

@@ -494,23 +494,57 @@ impl DriverState {
         self.group.handle_completion(now, id, Completion::Success);
     }
 
+    /// A data frame read in place, out of a shared-memory ring: if its collective runs, its
+    /// payload is fed to it from where it lies (reduced or copied straight out of the ring)
+    /// and `true` comes back; otherwise nothing happens and `false` comes back, and the
+    /// caller hands the frame over the usual way ([`DriverState::handle_frame`]).
+    pub(crate) fn handle_frame_in_place(
+        &mut self,
+        now: Instant,
+        from: Rank,
+        header: &FrameHeader,
+        payload: &[u8],
+        effects: &mut Effects,
+    ) -> bool {
+        if header.kind != FrameKind::Data {
+            return false;
+        }
+        let Some(id) = self.plane.running_id(header.seq) else { return false };
+        self.group.handle_peer_activity(now, from);
+        let part = self.take_part(id, header.seq, from, header.step, header.tag, payload);
+        self.after_part(now, id, part);
+        self.drain(now, effects);
+        true
+    }
+
     /// Feed one data frame to running collective `id` (`seq`) and push what it wants to send.
     fn feed(&mut self, now: Instant, id: WorkId, seq: SeqNo, frame: DataFrame<Vec<u8>>) {
         let DataFrame { from, step, tag, payload } = frame;
+        let part = self.take_part(id, seq, from, step, tag, &payload);
+        self.pool.give(payload);
+        self.after_part(now, id, part);
+    }
+
+    /// Collective `id` (`seq`) takes one part from `from`, after the fingerprint check.
+    fn take_part(&mut self, id: WorkId, seq: SeqNo, from: Rank, step: u32, tag: u32, payload: &[u8]) -> Part {
         if let Err(mismatch) = self.plane.check(id, seq, from, tag) {
-            self.pool.give(payload);
-            self.group.handle_completion(now, id, mismatch);
-            return;
+            return Part::Failed(mismatch);
         }
         let Some(Pending { payload: Payload::Collective { run: Some(run), .. }, .. }) = self.plane.work_mut(id) else {
-            self.pool.give(payload);
-            return;
+            return Part::Gone;
         };
-        let result = run.handle_recv(from, step, &payload);
-        self.pool.give(payload);
-        match result {
-            Err(e) => self.group.handle_completion(now, id, dataplane::part_mismatch(from, e)),
-            Ok(()) => self.after_step(now, id, Ok(())),
+        match run.handle_recv(from, step, payload) {
+            Err(e) => Part::Failed(dataplane::part_mismatch(from, e)),
+            Ok(()) => Part::Taken,
+        }
+    }
+
+    /// After [`DriverState::take_part`]: end the work, or push what it wants to send.
+    fn after_part(&mut self, now: Instant, id: WorkId, part: Part) {
+        match part {
+            Part::Failed(completion) => self.group.handle_completion(now, id, completion),
+            Part::Gone => {}
+            Part::Taken => self.after_step(now, id, Ok(())),
         }
     }
 
@@ -727,6 +761,16 @@ impl DriverState {
             _ => {}
         }
     }
+}
+
+/// What a collective made of one part a peer sent ([`DriverState::take_part`]).
+enum Part {
+    /// It took it.
+    Taken,
+    /// The part ends the work: a desync, or a part it cannot take.
+    Failed(Completion),
+    /// The work is no longer a running collective.
+    Gone,
 }
 
 /// Queue a frame for `to`; false if the link is gone.

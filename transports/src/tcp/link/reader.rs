@@ -10,7 +10,7 @@
 use std::collections::TryReserveError;
 use std::io;
 
-use cohort_core::protocol::{Frame, FrameDecoder, FrameError, FrameKind, FrameLimits, PayloadBuffers};
+use cohort_core::protocol::{Frame, FrameDecoder, FrameError, FrameHeader, FrameKind, FrameLimits, PayloadBuffers};
 use cohort_core::work::Rank;
 use tokio::io::{AsyncRead, AsyncReadExt};
 
@@ -107,6 +107,35 @@ impl Assembler {
     fn last(&mut self, reason: String, clean: bool) -> Result<Inbound, Inbound> {
         self.ended = true;
         Err(Inbound::Closed { from: self.from, reason, clean })
+    }
+
+    /// A whole frame at the start of `bytes`, for use in place (see core's
+    /// [`FrameDecoder::peek_frame`]): its header and payload length. `Err` is the connection's
+    /// last word, as from [`Assembler::poll_frame`] (only data frames are taken in place, so a
+    /// goodbye never comes this way).
+    pub(crate) fn peek_frame(&mut self, bytes: &[u8]) -> Option<Result<(FrameHeader, usize), Inbound>> {
+        if self.ended {
+            return None;
+        }
+        match self.decoder.peek_frame(bytes)? {
+            Ok(found) => Some(Ok(found)),
+            Err(e) => {
+                let from = self.from;
+                let reason = match e {
+                    FrameError::WrongSource { claimed, .. } => {
+                        format!("frame on rank {from}'s connection claims to come from rank {claimed}")
+                    }
+                    e => format!("malformed frame from rank {from}: {e}"),
+                };
+                Some(Err(self.last(reason, false).unwrap_or_else(|last| last)))
+            }
+        }
+    }
+
+    /// Hand the decoder `bytes` through its own read path (frames they complete are then
+    /// polled as usual).
+    pub(crate) fn handle_bytes(&mut self, bytes: &[u8]) {
+        self.decoder.handle_bytes(bytes);
     }
 
     /// Where the next read goes (never empty). Call [`Assembler::poll_frame`] until `None`
