@@ -14,15 +14,7 @@ use super::socket::{InPlace, ShmPath, ShmStep};
 
 #[test]
 fn a_ring_position_the_peer_corrupted_closes_the_connection_naming_it() {
-    let seg = Segment::in_heap(4096).unwrap();
-    seg.init(&SegmentHeader { nonce: 1, capacity: 4096, creator: Rank(0), acceptor: Rank(3), group: GroupId(0) });
-    let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
-    let _theirs = std::net::TcpStream::connect(listener.local_addr().unwrap()).unwrap();
-    let (ours, _) = listener.accept().unwrap();
-    ours.set_nonblocking(true).unwrap();
-    let socket = Arc::new(ours);
-    let path = ShmPath::new(&ShmLink { segment: seg.clone(), creator: true }, socket.clone());
-    let mut asm = Assembler::new(Rank(3), cohort_core::protocol::FrameLimits::new(1 << 20), BufferPool::with_limit(0));
+    let Pair { path, seg, mut asm, socket, _theirs } = pair();
     assert!(matches!(path.step(&mut asm, Some(&socket)), ShmStep::Empty), "nothing yet");
     // Rank 3 writes ring 1 (acceptor to creator); it claims 5,000 bytes in a 4,096-byte ring.
     seg.scribble(Direction::FromAcceptor, 0, 5000);
@@ -39,17 +31,28 @@ fn a_ring_position_the_peer_corrupted_closes_the_connection_naming_it() {
     }
 }
 
-/// A path over a heap segment whose peer is rank 3, with the peer's producer and our assembler.
-fn peer_path() -> (Arc<ShmPath>, cohort_core::shm::Producer, Assembler, std::net::TcpStream) {
+/// Our reading side of a heap segment whose peer is rank 3.
+struct Pair {
+    path: Arc<ShmPath>,
+    seg: Segment,
+    asm: Assembler,
+    /// Our end of the pair's socket.
+    socket: Arc<std::net::TcpStream>,
+    /// The peer's end: bind it, or the peer hangs up.
+    _theirs: std::net::TcpStream,
+}
+
+fn pair() -> Pair {
     let seg = Segment::in_heap(4096).unwrap();
     seg.init(&SegmentHeader { nonce: 1, capacity: 4096, creator: Rank(0), acceptor: Rank(3), group: GroupId(0) });
     let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
     let theirs = std::net::TcpStream::connect(listener.local_addr().unwrap()).unwrap();
     let (ours, _) = listener.accept().unwrap();
     ours.set_nonblocking(true).unwrap();
-    let path = ShmPath::new(&ShmLink { segment: seg.clone(), creator: true }, Arc::new(ours));
+    let socket = Arc::new(ours);
+    let path = ShmPath::new(&ShmLink { segment: seg.clone(), creator: true }, socket.clone());
     let asm = Assembler::new(Rank(3), cohort_core::protocol::FrameLimits::new(1 << 20), BufferPool::with_limit(0));
-    (path, seg.producer(Direction::FromAcceptor), asm, theirs)
+    Pair { path, seg, asm, socket, _theirs: theirs }
 }
 
 fn data_frame(seq: u64, payload: &[u8]) -> Vec<u8> {
@@ -59,7 +62,8 @@ fn data_frame(seq: u64, payload: &[u8]) -> Vec<u8> {
 
 #[test]
 fn a_whole_data_frame_is_used_where_it_lies_and_anything_else_is_copied_alone() {
-    let (path, mut peer, mut asm, _theirs) = peer_path();
+    let Pair { path, seg, mut asm, _theirs, .. } = pair();
+    let mut peer = seg.producer(Direction::FromAcceptor);
     let heartbeat = Frame { header: FrameHeader::heartbeat(Rank(3)), payload: Vec::new() }.encode();
     let (first, second) = (data_frame(1, &[7; 100]), data_frame(2, &[9; 60]));
     peer.write([&heartbeat[..], &first[..], &second[..3]]).unwrap();
@@ -88,7 +92,8 @@ fn a_whole_data_frame_is_used_where_it_lies_and_anything_else_is_copied_alone() 
 
 #[test]
 fn a_frame_in_place_from_another_rank_ends_the_connection() {
-    let (path, mut peer, mut asm, _theirs) = peer_path();
+    let Pair { path, seg, mut asm, _theirs, .. } = pair();
+    let mut peer = seg.producer(Direction::FromAcceptor);
     let header = FrameHeader::data(GroupId(0), SeqNo(1), 0, Rank(2), 4);
     peer.write([&Frame { header, payload: vec![0; 4] }.encode()[..]]).unwrap();
     match path.in_place(&mut asm, |_, _| panic!("refused before it is fed")) {
