@@ -12,8 +12,10 @@
 //! [`Offer`](cohort_core::shm::Offer) (its boot id, the nonce, the capacity, the file name);
 //! the acceptor maps the file if it runs on the same boot of the same host and the segment's
 //! header is the one offered, and answers. The dialer then removes the file either way: both
-//! mappings live on, and nothing is left behind if either process dies later. Any refusal
-//! leaves the pair on TCP, which is always correct.
+//! mappings live on, and nothing is left behind if either process dies later. A dialer killed
+//! in the milliseconds between making the file and the answer leaves it behind; the next
+//! segment made on the host removes such files once they are a minute old ([`sweep_stale`]).
+//! Any refusal leaves the pair on TCP, which is always correct.
 
 use std::fs::{File, OpenOptions};
 use std::io;
@@ -121,8 +123,57 @@ impl Drop for Created {
     }
 }
 
+/// How old a segment file whose creator is gone must be before [`sweep_stale`] removes it. A
+/// live creator removes its file within a handshake (at most `HANDSHAKE_TIMEOUT`, 10 s); the
+/// margin covers a creator in another pid namespace sharing `/dev/shm`, whose pid this one
+/// cannot see.
+const STALE_AFTER: std::time::Duration = std::time::Duration::from_secs(60);
+
+/// Remove segment files left in `dir` by creators that died between making a file and its
+/// answer (a SIGKILL in those milliseconds): this user's `cohort-<pid>-<nonce>` files whose
+/// process no longer exists and that are older than [`STALE_AFTER`]. Best effort: a file that
+/// cannot be read or removed is left. Returns how many went.
+fn sweep_stale(dir: &std::path::Path) -> usize {
+    let Ok(entries) = std::fs::read_dir(dir) else { return 0 };
+    let me = std::process::id();
+    let mut removed = 0;
+    for entry in entries.flatten() {
+        let name = entry.file_name();
+        let Some(pid) = name.to_str().and_then(creator_pid) else { continue };
+        let Ok(meta) = entry.metadata() else { continue };
+        let old = meta.modified().ok().and_then(|t| t.elapsed().ok()).is_some_and(|age| age > STALE_AFTER);
+        if pid == me || !old || !meta.is_file() || process_exists(pid) {
+            continue;
+        }
+        if std::fs::remove_file(entry.path()).is_ok() {
+            tracing::debug!(file = %entry.path().display(), pid, "removed a shared-memory segment its dead creator left");
+            removed += 1;
+        }
+    }
+    removed
+}
+
+/// The pid in a segment file's name (`cohort-<pid>-<16 hex digits>`), if it is one.
+fn creator_pid(name: &str) -> Option<u32> {
+    let (pid, nonce) = name.strip_prefix("cohort-")?.split_once('-')?;
+    (nonce.len() == 16 && nonce.bytes().all(|b| b.is_ascii_hexdigit())).then_some(())?;
+    pid.parse().ok()
+}
+
+/// Whether process `pid` exists (as this pid namespace sees it): a signal 0 reaches it, or is
+/// refused for lack of permission (another user's process).
+fn process_exists(pid: u32) -> bool {
+    let Ok(pid) = libc::pid_t::try_from(pid) else { return false };
+    // SAFETY: signal 0 checks for the process and sends nothing.
+    if unsafe { libc::kill(pid, 0) } == 0 {
+        return true;
+    }
+    io::Error::last_os_error().raw_os_error() != Some(libc::ESRCH)
+}
+
 /// Make a segment for the pair (`me` dials `peer` in group `gid`) with rings of `capacity` bytes.
 pub(crate) fn create(me: Rank, peer: Rank, gid: GroupId, capacity: u64) -> io::Result<Created> {
+    sweep_stale(std::path::Path::new(SHM_DIR));
     let boot_id = boot_id()?;
     let nonce = u64::from_le_bytes(crate::net::fresh_nonce()?.0[..8].try_into().expect("8 bytes"));
     let len = segment_len(capacity).map_err(|e| io::Error::new(io::ErrorKind::InvalidInput, e.to_string()))?;
@@ -278,6 +329,38 @@ mod tests {
         // Another capacity than the file has.
         let offer = Offer { capacity: 1 << 17, ..created.offer.clone() };
         assert_eq!(open(&offer, Rank(1), Rank(0), GroupId(3)).unwrap_err().0, Answer::Mismatch);
+    }
+
+    #[test]
+    fn files_a_dead_creator_left_are_swept_and_nothing_else() {
+        let dir = std::env::temp_dir().join(format!("cohort-sweep-test-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let mut child = std::process::Command::new("true").spawn().unwrap();
+        let dead = child.id();
+        child.wait().unwrap();
+        let live = std::process::id();
+        let long_ago = std::time::SystemTime::now() - STALE_AFTER * 2;
+        let file = |name: String, old: bool| {
+            let path = dir.join(name);
+            let f = File::create(&path).unwrap();
+            if old {
+                f.set_modified(long_ago).unwrap();
+            }
+            path
+        };
+        let stale = file(format!("cohort-{dead}-0123456789abcdef"), true);
+        let young = file(format!("cohort-{dead}-fedcba9876543210"), false);
+        let alive = file(format!("cohort-{live}-0123456789abcdef"), true);
+        let other = file(format!("cohort-{dead}-not-a-nonce"), true);
+        assert_eq!(sweep_stale(&dir), 1);
+        assert!(!stale.exists(), "an old file of a dead creator goes");
+        assert!(young.exists(), "a young one stays: its creator may be in another pid namespace");
+        assert!(alive.exists(), "a live creator's stays");
+        assert!(other.exists(), "a name that is not a segment's stays");
+        std::fs::remove_dir_all(&dir).unwrap();
+        assert_eq!(creator_pid("cohort-12-0123456789abcdef"), Some(12));
+        assert_eq!(creator_pid("cohort-x-0123456789abcdef"), None);
+        assert_eq!(creator_pid("other-12-0123456789abcdef"), None);
     }
 
     #[tokio::test]
