@@ -94,14 +94,21 @@ impl Assembler {
                 Some(self.last(format!("rank {from} closed the connection"), true))
             }
             Ok(Frame { header, payload }) => Some(Ok(Inbound::Frame { from, header, payload })),
-            Err(FrameError::WrongSource { claimed, .. }) => {
-                Some(self.last(format!("frame on rank {from}'s connection claims to come from rank {claimed}"), false))
-            }
-            Err(FrameError::PayloadAlloc { len, .. }) => {
-                Some(self.last(format!("cannot allocate {len} bytes for a frame from rank {from}"), false))
-            }
-            Err(e) => Some(self.last(format!("malformed frame from rank {from}: {e}"), false)),
+            Err(e) => Some(Err(self.failed(e))),
         }
+    }
+
+    /// The connection's last word for the decoder's failure `e`.
+    fn failed(&mut self, e: FrameError) -> Inbound {
+        let from = self.from;
+        let reason = match e {
+            FrameError::WrongSource { claimed, .. } => {
+                format!("frame on rank {from}'s connection claims to come from rank {claimed}")
+            }
+            FrameError::PayloadAlloc { len, .. } => format!("cannot allocate {len} bytes for a frame from rank {from}"),
+            e => format!("malformed frame from rank {from}: {e}"),
+        };
+        self.last(reason, false).unwrap_or_else(|last| last)
     }
 
     fn last(&mut self, reason: String, clean: bool) -> Result<Inbound, Inbound> {
@@ -119,16 +126,7 @@ impl Assembler {
         }
         match self.decoder.peek_frame(bytes)? {
             Ok(found) => Some(Ok(found)),
-            Err(e) => {
-                let from = self.from;
-                let reason = match e {
-                    FrameError::WrongSource { claimed, .. } => {
-                        format!("frame on rank {from}'s connection claims to come from rank {claimed}")
-                    }
-                    e => format!("malformed frame from rank {from}: {e}"),
-                };
-                Some(Err(self.last(reason, false).unwrap_or_else(|last| last)))
-            }
+            Err(e) => Some(Err(self.failed(e))),
         }
     }
 
