@@ -167,6 +167,63 @@ pub(crate) trait Progress: Send + Sync {
 /// finds nobody waiting costs a system call, a few percent of this.
 pub(crate) const YIELD_EVERY: Duration = Duration::from_micros(20);
 
+/// A periodic yield that returns after longer than this gave the core to a thread that was
+/// waiting for it. Where a rank has a core of its own ([`Progress::yield_every`] is not zero),
+/// that is, as often as not, the peer's own polling thread: a wake-up prefers the waker's core,
+/// so the two can end up on one core, and as neither sleeps again, the scheduler, which does
+/// not move a task that ran a moment ago, leaves them taking turns there for tens of
+/// milliseconds while another core idles, each wait costing two turns of a yield interval and
+/// more. A thread that sees it moves to another core ([`maybe_leave_this_core`]). A yield to a
+/// short-lived thread (this rank's runtime, a kernel worker) returns well within this.
+pub(crate) const SHARED_CORE_YIELD: Duration = Duration::from_micros(10);
+
+/// The least time between two moves of one thread by [`maybe_leave_this_core`].
+const LEAVE_CORE_EVERY: Duration = Duration::from_millis(1);
+
+/// After a yield that found this core shared (it took `yielded` more than asked), move the
+/// calling thread to another core, on the toss of a coin ([`should_leave`]).
+fn maybe_leave_this_core(now: std::time::Instant, yielded: Duration) {
+    thread_local! {
+        static NEXT: std::cell::Cell<Option<std::time::Instant>> = const { std::cell::Cell::new(None) };
+    }
+    if should_leave(NEXT.get(), now, yielded) {
+        NEXT.set(Some(now + LEAVE_CORE_EVERY));
+        let _ = leave_this_core();
+    }
+}
+
+/// Whether a thread whose yield found its core shared moves, `next` being the earliest time it
+/// may move again. The thread it shares the core with, the peer's, saw the same and decides the
+/// same way, and if both moved they would share the other core: so a coin decides, the yield's
+/// time to the nanosecond. A thread that moved does not move again for [`LEAVE_CORE_EVERY`], so
+/// that on a host where every core is busy it does not spend its time moving.
+fn should_leave(next: Option<std::time::Instant>, now: std::time::Instant, yielded: Duration) -> bool {
+    yielded.subsec_nanos() & 1 == 1 && next.is_none_or(|next| now >= next)
+}
+
+/// Move the calling thread to another core it may run on, then let it run wherever it could
+/// before: the kernel moves it at once, and it is not left pinned. The core it left; `None`
+/// where that core is the only one allowed, or where a call fails (it stays).
+fn leave_this_core() -> Option<usize> {
+    let size = std::mem::size_of::<libc::cpu_set_t>();
+    // SAFETY: plain system calls on the calling thread's own affinity, with masks this frame
+    // owns and their true size.
+    unsafe {
+        let here = usize::try_from(libc::sched_getcpu()).ok()?;
+        let mut allowed: libc::cpu_set_t = std::mem::zeroed();
+        if here >= libc::CPU_SETSIZE as usize || libc::sched_getaffinity(0, size, &mut allowed) != 0 {
+            return None;
+        }
+        let mut elsewhere = allowed;
+        libc::CPU_CLR(here, &mut elsewhere);
+        if libc::CPU_COUNT(&elsewhere) == 0 || libc::sched_setaffinity(0, size, &elsewhere) != 0 {
+            return None;
+        }
+        libc::sched_setaffinity(0, size, &allowed);
+        Some(here)
+    }
+}
+
 /// A group's [`Progress`], shared by its works.
 pub(crate) type ProgressFn = Arc<dyn Progress>;
 
@@ -375,6 +432,11 @@ impl Work {
                 Some(false) => {
                     std::thread::yield_now();
                     next_yield = std::time::Instant::now() + yield_every;
+                    let yielded = next_yield.duration_since(now).saturating_sub(yield_every);
+                    if !yield_every.is_zero() && yielded > SHARED_CORE_YIELD {
+                        // Another thread spun on this core meanwhile (see `SHARED_CORE_YIELD`).
+                        maybe_leave_this_core(next_yield, yielded);
+                    }
                 }
             }
         }
@@ -679,6 +741,48 @@ mod tests {
         fn sleep(&self) {}
         fn woke(&self, _time: Duration, _polled: bool) {}
         fn flush(&self) {}
+    }
+
+    #[test]
+    fn a_thread_sharing_its_core_moves_on_an_odd_coin_and_then_not_for_a_while() {
+        let now = std::time::Instant::now();
+        let odd = Duration::from_nanos(15_001);
+        let even = Duration::from_nanos(15_002);
+        assert!(should_leave(None, now, odd), "never moved, odd coin: moves");
+        assert!(!should_leave(None, now, even), "an even coin stays (the peer may be moving)");
+        let next = Some(now + LEAVE_CORE_EVERY);
+        assert!(!should_leave(next, now, odd), "moved a moment ago: stays");
+        assert!(!should_leave(next, now + LEAVE_CORE_EVERY / 2, odd));
+        assert!(should_leave(next, now + LEAVE_CORE_EVERY, odd), "after the interval it may move again");
+    }
+
+    fn affinity() -> libc::cpu_set_t {
+        // SAFETY: reads the calling thread's mask into one it owns.
+        unsafe {
+            let mut set: libc::cpu_set_t = std::mem::zeroed();
+            assert_eq!(libc::sched_getaffinity(0, std::mem::size_of::<libc::cpu_set_t>(), &mut set), 0);
+            set
+        }
+    }
+
+    #[test]
+    fn leaving_a_core_moves_the_thread_and_leaves_it_free_to_run_anywhere() {
+        std::thread::spawn(|| {
+            let before = affinity();
+            let left = leave_this_core();
+            // SAFETY: plain calls on this thread's own CPU, and on masks this frame owns.
+            let (now, same, cores) =
+                unsafe { (libc::sched_getcpu(), libc::CPU_EQUAL(&affinity(), &before), libc::CPU_COUNT(&before)) };
+            assert!(same, "the mask is what it was: the thread is not pinned");
+            if cores > 1 {
+                let left = left.expect("with another core allowed, it moves");
+                assert_ne!(usize::try_from(now).unwrap(), left, "it left core {left}");
+            } else {
+                assert_eq!(left, None, "with one core allowed it stays");
+            }
+        })
+        .join()
+        .unwrap();
     }
 
     #[test]
