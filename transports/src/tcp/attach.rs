@@ -104,7 +104,7 @@ fn attach_fast(
     let asm = link::Assembler::new(peer, limits, pool);
     let path = shm.map(|link| socket::ShmPath::new(link, fast.std()));
     let reader = Arc::new(socket::FastReader::new(fast.clone(), asm, tally.clone(), shared, path.clone()));
-    inner.readers.write().unwrap_or_else(|p| p.into_inner()).push(reader.clone());
+    socket::FastReader::join(&mut inner.readers.write().unwrap_or_else(|p| p.into_inner()), reader.clone());
     let err_tx = spawn_error_relay(inner, tally);
     let writer = match path {
         Some(path) => {

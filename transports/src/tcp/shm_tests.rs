@@ -8,9 +8,9 @@ use cohort_core::protocol::{Frame, FrameHeader, FrameKind};
 use cohort_core::shm::{Direction, Segment, SegmentHeader};
 use cohort_core::{GroupId, Rank, SeqNo};
 
-use super::link::{Assembler, BufferPool, Inbound};
+use super::link::{Assembler, BufferPool, CloseTally, Inbound};
 use super::shm::ShmLink;
-use super::socket::{InPlace, ShmPath, ShmStep};
+use super::socket::{FastReader, InPlace, ShmPath, ShmStep, readable};
 
 #[test]
 fn a_ring_position_the_peer_corrupted_closes_the_connection_naming_it() {
@@ -104,4 +104,43 @@ fn a_frame_in_place_from_another_rank_ends_the_connection() {
         _ => panic!("a frame naming another sender must end the connection"),
     }
     assert!(asm.poll_frame().is_none(), "nothing more after the last word");
+}
+
+/// A fast reader of a real socket from `peer` (over shared memory if `shm`), and the peer's end.
+async fn fast_reader(peer: Rank, shm: bool) -> (Arc<FastReader>, std::net::TcpStream) {
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let theirs = tokio::net::TcpStream::connect(listener.local_addr().unwrap()).await.unwrap();
+    let (ours, _) = listener.accept().await.unwrap();
+    let fast = Arc::new(super::socket::take(ours).map_err(|(e, _)| e).unwrap());
+    let path = shm.then(|| {
+        let seg = Segment::in_heap(4096).unwrap();
+        seg.init(&SegmentHeader { nonce: 1, capacity: 4096, creator: Rank(0), acceptor: peer, group: GroupId(0) });
+        ShmPath::new(&ShmLink { segment: seg, creator: true }, fast.std())
+    });
+    let asm = Assembler::new(peer, cohort_core::protocol::FrameLimits::new(1 << 20), BufferPool::with_limit(0));
+    let tally = Arc::new(CloseTally::new(2));
+    (Arc::new(FastReader::new(fast, asm, tally, !shm, path)), theirs.into_std().unwrap())
+}
+
+#[tokio::test]
+async fn a_shared_memory_peers_other_connections_are_asked_about_only_with_the_shared_memory_socket() {
+    use std::io::Write;
+    // Rank 3 shares memory; its plain connection joins before and after the shared one, and
+    // rank 5 is on TCP alone.
+    let (early, mut early_end) = fast_reader(Rank(3), false).await;
+    let (ring, _ring_end) = fast_reader(Rank(3), true).await;
+    let (late, mut late_end) = fast_reader(Rank(3), false).await;
+    let (tcp, mut tcp_end) = fast_reader(Rank(5), false).await;
+    let mut readers = Vec::new();
+    for r in [&early, &ring, &late, &tcp] {
+        FastReader::join(&mut readers, r.clone());
+    }
+    for end in [&mut early_end, &mut late_end, &mut tcp_end] {
+        end.write_all(b"x").unwrap();
+    }
+    tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+    let seldom: Vec<bool> = readable(&readers, false).collect();
+    assert_eq!(seldom, [false, false, false, true], "between socket looks only rank 5's plain connection is asked");
+    let all: Vec<bool> = readable(&readers, true).collect();
+    assert_eq!(all, [true, false, true, true], "a socket look asks every connection");
 }

@@ -197,6 +197,11 @@ pub(crate) struct FastReader {
     task_draining: AtomicBool,
     /// The connection's frames come through shared memory (see the [module docs](self)).
     shm: Option<Arc<ShmPath>>,
+    /// The peer it comes from.
+    peer: Rank,
+    /// The connection carries nothing but its end: another connection of the same peer has
+    /// the pair's shared memory, which carries all its frames (see [`readable`]).
+    quiet: AtomicBool,
     /// Over shared memory: a `poll(2)` saw the socket readable (doorbells or its end), so a
     /// polling thread's next drain reads it too; otherwise polling threads read only the ring,
     /// with no system call (see [`readable`]).
@@ -219,8 +224,11 @@ impl FastReader {
         let task_draining = AtomicBool::new(false);
         let kick = tokio::sync::Notify::new();
         let socket_ready = AtomicBool::new(false);
+        let peer = asm.from();
         let reader = FastReader {
             socket,
+            peer,
+            quiet: AtomicBool::new(false),
             asm: Mutex::new(asm),
             tally,
             ended,
@@ -247,7 +255,27 @@ impl FastReader {
     /// The peer, if this connection's frames come through shared memory.
     pub(crate) fn shared_memory_peer(&self) -> Option<Rank> {
         self.shm.as_ref()?;
-        Some(self.asm.lock().unwrap_or_else(|p| p.into_inner()).from())
+        Some(self.peer)
+    }
+
+    /// Add `new` to a group's `readers`. A peer whose frames come through shared memory sends
+    /// nothing on its other connections but their ends: those are marked quiet, so that polling
+    /// threads ask the kernel about them only now and then, as about the shared-memory socket
+    /// (see [`readable`]), rather than with a system call at every look.
+    pub(crate) fn join(readers: &mut Vec<Arc<FastReader>>, new: Arc<FastReader>) {
+        let peers = readers.iter().filter(|r| r.peer == new.peer);
+        if new.shm.is_some() {
+            peers.filter(|r| r.shm.is_none()).for_each(|r| r.quiet.store(true, Ordering::Relaxed));
+        } else if peers.clone().any(|r| r.shm.is_some()) {
+            new.quiet.store(true, Ordering::Relaxed);
+        }
+        readers.push(new);
+    }
+
+    /// Whether polling threads look at this connection's socket only now and then: it carries
+    /// shared memory's doorbells and end, or only its end ([`FastReader::join`]).
+    fn looked_at_seldom(&self) -> bool {
+        self.shm.is_some() || self.quiet.load(Ordering::Relaxed)
     }
 
     /// Whether the incoming ring holds bytes (or is corrupt, which a drain reports); false on
@@ -435,14 +463,14 @@ impl FastReader {
 /// Which of `readers` have bytes (or an end) waiting, asked of the kernel in one `poll(2)`
 /// that takes no socket lock: a waiting thread spinning on `recv` itself would contend with
 /// the peer's packets for the lock of the very socket it waits on. A shared-memory reader's
-/// ring is looked at directly; its socket, which only carries doorbells and its end, only when
-/// `sockets` (a polling thread asks every few looks), so that a thread spinning on rings alone
-/// makes no system call.
+/// ring is looked at directly; its socket, which only carries doorbells and its end, and the
+/// pair's other connections, which only carry their ends, only when `sockets` (a polling thread
+/// asks every few looks), so that a thread spinning on rings alone makes no system call.
 pub(crate) fn readable(readers: &[Arc<FastReader>], sockets: bool) -> impl Iterator<Item = bool> {
     let mut fds: Vec<libc::pollfd> = readers
         .iter()
         .map(|r| {
-            let fd = if r.shm.is_some() && !sockets { -1 } else { r.raw_fd() };
+            let fd = if r.looked_at_seldom() && !sockets { -1 } else { r.raw_fd() };
             libc::pollfd { fd, events: libc::POLLIN, revents: 0 }
         })
         .collect();
