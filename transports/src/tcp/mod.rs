@@ -292,8 +292,9 @@ impl Inner {
             if let Some(r) = only {
                 delivered = r.drain(self, true, &mut acc);
             } else {
-                // Shared-memory sockets carry only doorbells and their end: every 8th look.
-                let sockets = self.looks.fetch_add(1, std::sync::atomic::Ordering::Relaxed).is_multiple_of(8);
+                // Shared-memory sockets carry only doorbells and their end: seldom.
+                let looks = self.looks.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                let sockets = looks.is_multiple_of(tunables::SOCKET_LOOK_EVERY);
                 for (r, ready) in readers.iter().zip(socket::readable(&readers, sockets)) {
                     if ready {
                         delivered |= r.drain(self, true, &mut acc);
