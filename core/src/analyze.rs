@@ -254,6 +254,9 @@ impl fmt::Display for Finding {
 
 impl fmt::Display for Diagnosis {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        if self.ranks.is_empty() {
+            return write!(f, "no dumps: there is nothing to compare (a rank that never joined a group leaves none)");
+        }
         if self.findings.is_empty() {
             return write!(f, "no disagreement: the {} dumps agree on every collective they hold", self.ranks.len());
         }
@@ -681,6 +684,9 @@ mod tests {
         assert!(d.to_string().starts_with("no disagreement"));
         let json = d.to_json();
         assert!(json.contains("\"findings\": []"), "{json}");
+        // No dumps at all (nobody joined): nothing agreed, and the text says so.
+        let none = diagnose(&[], Some(3));
+        assert!(none.to_string().starts_with("no dumps: there is nothing to compare"), "{none}");
     }
 
     #[test]

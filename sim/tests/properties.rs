@@ -154,7 +154,21 @@ fn check(report: &Report) -> Result<(), String> {
                     }
                 }
             }
-            if !report.blamed().contains(&rank) {
+            // A crash before any survivor joined leaves no group and no dump: then each
+            // survivor's own error is the diagnosis, and it must name the rank.
+            if report.ranks.iter().all(|r| r.rank == rank || r.joined_ms.is_none()) {
+                for r in report.ranks.iter().filter(|r| r.rank != rank) {
+                    match &r.fate {
+                        Fate::InitFailed { error } if error.contains(&format!("rank {rank}")) => {}
+                        other => {
+                            return Err(format!(
+                                "rank {} could not join, but not naming rank {rank}: {other:?}",
+                                r.rank
+                            ));
+                        }
+                    }
+                }
+            } else if !report.blamed().contains(&rank) {
                 return Err(format!("the diagnosis does not name crashed rank {rank}: {}", report.diagnosis));
             }
         }
