@@ -173,50 +173,117 @@ pub(crate) const YIELD_EVERY: Duration = Duration::from_micros(20);
 /// so the two can end up on one core, and as neither sleeps again, the scheduler, which does
 /// not move a task that ran a moment ago, leaves them taking turns there for tens of
 /// milliseconds while another core idles, each wait costing two turns of a yield interval and
-/// more. A thread that sees it moves to another core ([`maybe_leave_this_core`]). A yield to a
+/// more. A thread that sees it moves to another core ([`CoreMoves`]). A yield to a
 /// short-lived thread (this rank's runtime, a kernel worker) returns well within this.
 pub(crate) const SHARED_CORE_YIELD: Duration = Duration::from_micros(10);
 
-/// The least time between two moves of one thread by [`maybe_leave_this_core`].
+/// A yield that returns after this long ran a thread that does not yield (another job's busy
+/// thread, which keeps the core for its time slice), not a polling thread like ours.
+const NON_YIELDING: Duration = Duration::from_micros(500);
+
+/// The least time between two moves of one thread to another core.
 const LEAVE_CORE_EVERY: Duration = Duration::from_millis(1);
 
-/// After a yield that found this core shared (it took `yielded` more than asked), move the
-/// calling thread to another core, on the toss of a coin ([`should_leave`]).
-fn maybe_leave_this_core(now: std::time::Instant, yielded: Duration) {
+/// How long a thread that went back to the core it left waits before it tries another.
+const AFTER_RETURN: Duration = Duration::from_secs(1);
+
+/// What a polling thread does after a periodic yield.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum CoreMove {
+    Stay,
+    /// To another core.
+    Leave,
+    /// Back to this core, the one it left.
+    Return(usize),
+}
+
+/// A polling thread's moves between cores (see [`SHARED_CORE_YIELD`]), one per thread.
+///
+/// - A yield that ran a polling thread (late by more than [`SHARED_CORE_YIELD`], less than
+///   [`NON_YIELDING`]) moves it to another core, on the toss of a coin: the thread it shares
+///   the core with, the peer's, saw the same and decides the same way, and if both moved they
+///   would share the other core. The coin is the yield's time to the nanosecond. It moves at
+///   most once in [`LEAVE_CORE_EVERY`].
+/// - The first yield after a move tells whether the new core was a better one. If it ran a
+///   thread that does not yield (another job holds that core), the thread goes back at once,
+///   and tries no other core for [`AFTER_RETURN`]: sharing a core with a thread that keeps it
+///   for a time slice costs milliseconds a wait, sharing one with the peer's polling thread
+///   tens of microseconds.
+/// - A yield that ran a thread that does not yield, with no move before it, changes nothing:
+///   another core may be no better.
+#[derive(Debug, Clone, Copy, Default)]
+struct CoreMoves {
+    /// The earliest time it may move again.
+    next: Option<std::time::Instant>,
+    /// The core it left at its last move, until the first yield after it.
+    left: Option<usize>,
+}
+
+impl CoreMoves {
+    /// After a periodic yield at `now` that returned `late` after the time it was due.
+    fn after_yield(&mut self, now: std::time::Instant, late: Duration) -> CoreMove {
+        if let Some(core) = self.left.take()
+            && late >= NON_YIELDING
+        {
+            self.next = Some(now + AFTER_RETURN);
+            return CoreMove::Return(core);
+        }
+        let shared = late > SHARED_CORE_YIELD && late < NON_YIELDING;
+        if shared && late.subsec_nanos() & 1 == 1 && self.next.is_none_or(|next| now >= next) {
+            self.next = Some(now + LEAVE_CORE_EVERY);
+            return CoreMove::Leave;
+        }
+        CoreMove::Stay
+    }
+
+    /// It left `core` (`None`: it could not move).
+    fn moved(&mut self, core: Option<usize>) {
+        self.left = core;
+    }
+}
+
+/// The calling thread's [`CoreMoves`], after a periodic yield at `now` that returned `late`.
+fn after_yield(now: std::time::Instant, late: Duration) {
     thread_local! {
-        static NEXT: std::cell::Cell<Option<std::time::Instant>> = const { std::cell::Cell::new(None) };
+        static MOVES: std::cell::Cell<CoreMoves> = const { std::cell::Cell::new(CoreMoves { next: None, left: None }) };
     }
-    if should_leave(NEXT.get(), now, yielded) {
-        NEXT.set(Some(now + LEAVE_CORE_EVERY));
-        let _ = leave_this_core();
+    let mut moves = MOVES.get();
+    match moves.after_yield(now, late) {
+        CoreMove::Stay => {}
+        CoreMove::Leave => moves.moved(move_core(None)),
+        CoreMove::Return(core) => {
+            let _ = move_core(Some(core));
+        }
     }
+    MOVES.set(moves);
 }
 
-/// Whether a thread whose yield found its core shared moves, `next` being the earliest time it
-/// may move again. The thread it shares the core with, the peer's, saw the same and decides the
-/// same way, and if both moved they would share the other core: so a coin decides, the yield's
-/// time to the nanosecond. A thread that moved does not move again for [`LEAVE_CORE_EVERY`], so
-/// that on a host where every core is busy it does not spend its time moving.
-fn should_leave(next: Option<std::time::Instant>, now: std::time::Instant, yielded: Duration) -> bool {
-    yielded.subsec_nanos() & 1 == 1 && next.is_none_or(|next| now >= next)
-}
-
-/// Move the calling thread to another core it may run on, then let it run wherever it could
-/// before: the kernel moves it at once, and it is not left pinned. The core it left; `None`
-/// where that core is the only one allowed, or where a call fails (it stays).
-fn leave_this_core() -> Option<usize> {
+/// Move the calling thread to core `to` (`None`: any other core it may run on), then let it run
+/// wherever it could before: the kernel moves it at once, and it is not left pinned. The core it
+/// left; `None` where it could not move (no other core allowed, `to` not allowed, a call
+/// failed): it stays.
+fn move_core(to: Option<usize>) -> Option<usize> {
     let size = std::mem::size_of::<libc::cpu_set_t>();
+    let setsize = libc::CPU_SETSIZE as usize;
     // SAFETY: plain system calls on the calling thread's own affinity, with masks this frame
-    // owns and their true size.
+    // owns and their true size; every core index is checked against the masks' size.
     unsafe {
         let here = usize::try_from(libc::sched_getcpu()).ok()?;
         let mut allowed: libc::cpu_set_t = std::mem::zeroed();
-        if here >= libc::CPU_SETSIZE as usize || libc::sched_getaffinity(0, size, &mut allowed) != 0 {
+        if here >= setsize || to.is_some_and(|c| c >= setsize) || libc::sched_getaffinity(0, size, &mut allowed) != 0 {
             return None;
         }
-        let mut elsewhere = allowed;
-        libc::CPU_CLR(here, &mut elsewhere);
-        if libc::CPU_COUNT(&elsewhere) == 0 || libc::sched_setaffinity(0, size, &elsewhere) != 0 {
+        let mut target = allowed;
+        match to {
+            None => libc::CPU_CLR(here, &mut target),
+            Some(core) => {
+                libc::CPU_ZERO(&mut target);
+                if libc::CPU_ISSET(core, &allowed) && core != here {
+                    libc::CPU_SET(core, &mut target);
+                }
+            }
+        }
+        if libc::CPU_COUNT(&target) == 0 || libc::sched_setaffinity(0, size, &target) != 0 {
             return None;
         }
         libc::sched_setaffinity(0, size, &allowed);
@@ -432,10 +499,9 @@ impl Work {
                 Some(false) => {
                     std::thread::yield_now();
                     next_yield = std::time::Instant::now() + yield_every;
-                    let yielded = next_yield.duration_since(now).saturating_sub(yield_every);
-                    if !yield_every.is_zero() && yielded > SHARED_CORE_YIELD {
-                        // Another thread spun on this core meanwhile (see `SHARED_CORE_YIELD`).
-                        maybe_leave_this_core(next_yield, yielded);
+                    if !yield_every.is_zero() {
+                        // Whether another thread had this core meanwhile (see `CoreMoves`).
+                        after_yield(next_yield, next_yield.duration_since(now).saturating_sub(yield_every));
                     }
                 }
             }
@@ -744,16 +810,39 @@ mod tests {
     }
 
     #[test]
-    fn a_thread_sharing_its_core_moves_on_an_odd_coin_and_then_not_for_a_while() {
+    fn a_thread_sharing_its_core_with_a_poller_moves_on_an_odd_coin_and_then_not_for_a_while() {
         let now = std::time::Instant::now();
-        let odd = Duration::from_nanos(15_001);
-        let even = Duration::from_nanos(15_002);
-        assert!(should_leave(None, now, odd), "never moved, odd coin: moves");
-        assert!(!should_leave(None, now, even), "an even coin stays (the peer may be moving)");
-        let next = Some(now + LEAVE_CORE_EVERY);
-        assert!(!should_leave(next, now, odd), "moved a moment ago: stays");
-        assert!(!should_leave(next, now + LEAVE_CORE_EVERY / 2, odd));
-        assert!(should_leave(next, now + LEAVE_CORE_EVERY, odd), "after the interval it may move again");
+        let (odd, even) = (Duration::from_nanos(15_001), Duration::from_nanos(15_002));
+        let mut m = CoreMoves::default();
+        assert_eq!(m.after_yield(now, Duration::from_nanos(3_001)), CoreMove::Stay, "on time: the core is its own");
+        assert_eq!(m.after_yield(now, even), CoreMove::Stay, "an even coin stays (the peer may be moving)");
+        assert_eq!(m.after_yield(now, odd), CoreMove::Leave);
+        m.moved(Some(0));
+        assert_eq!(m.after_yield(now, Duration::from_nanos(2_001)), CoreMove::Stay, "the new core is free");
+        assert_eq!(m.after_yield(now + LEAVE_CORE_EVERY / 2, odd), CoreMove::Stay, "moved a moment ago");
+        assert_eq!(m.after_yield(now + LEAVE_CORE_EVERY, odd), CoreMove::Leave, "after the interval it may move again");
+        assert_eq!(
+            m.after_yield(now, Duration::from_millis(3)),
+            CoreMove::Stay,
+            "a busy thread, no move before: stays"
+        );
+    }
+
+    #[test]
+    fn a_thread_that_moved_next_to_a_thread_that_does_not_yield_goes_back_and_stays_a_while() {
+        let now = std::time::Instant::now();
+        let odd = Duration::from_nanos(30_001);
+        let mut m = CoreMoves::default();
+        assert_eq!(m.after_yield(now, odd), CoreMove::Leave);
+        m.moved(Some(1));
+        let later = now + Duration::from_micros(50);
+        assert_eq!(m.after_yield(later, Duration::from_millis(2)), CoreMove::Return(1), "another job holds that core");
+        assert_eq!(m.after_yield(later, Duration::from_millis(2)), CoreMove::Stay, "back already");
+        assert_eq!(m.after_yield(later + LEAVE_CORE_EVERY, odd), CoreMove::Stay, "no other core for a while");
+        assert_eq!(m.after_yield(later + AFTER_RETURN, odd), CoreMove::Leave);
+        // A move that did not happen has nothing to go back to.
+        m.moved(None);
+        assert_eq!(m.after_yield(later + AFTER_RETURN, Duration::from_millis(2)), CoreMove::Stay);
     }
 
     fn affinity() -> libc::cpu_set_t {
@@ -766,20 +855,28 @@ mod tests {
     }
 
     #[test]
-    fn leaving_a_core_moves_the_thread_and_leaves_it_free_to_run_anywhere() {
+    fn moving_between_cores_moves_the_thread_and_leaves_it_free_to_run_anywhere() {
         std::thread::spawn(|| {
             let before = affinity();
-            let left = leave_this_core();
-            // SAFETY: plain calls on this thread's own CPU, and on masks this frame owns.
-            let (now, same, cores) =
-                unsafe { (libc::sched_getcpu(), libc::CPU_EQUAL(&affinity(), &before), libc::CPU_COUNT(&before)) };
-            assert!(same, "the mask is what it was: the thread is not pinned");
+            // SAFETY: reads a mask this frame owns.
+            let cores = unsafe { libc::CPU_COUNT(&before) };
+            let here = || usize::try_from(unsafe { libc::sched_getcpu() }).unwrap();
+            // SAFETY: compares two masks this frame owns.
+            let unpinned = || unsafe { libc::CPU_EQUAL(&affinity(), &before) };
+            let left = move_core(None);
+            assert!(unpinned(), "the mask is what it was: the thread is not pinned");
             if cores > 1 {
                 let left = left.expect("with another core allowed, it moves");
-                assert_ne!(usize::try_from(now).unwrap(), left, "it left core {left}");
+                assert_ne!(here(), left, "it left core {left}");
+                let from = move_core(Some(left));
+                assert!(unpinned());
+                assert_eq!((here(), from.is_some()), (left, true), "and back to the core it left");
             } else {
                 assert_eq!(left, None, "with one core allowed it stays");
             }
+            assert_eq!(move_core(Some(here())), None, "to the core it is on: no move");
+            assert_eq!(move_core(Some(libc::CPU_SETSIZE as usize)), None, "to a core that does not exist: no move");
+            assert!(unpinned());
         })
         .join()
         .unwrap();
