@@ -200,10 +200,9 @@ enum CoreMove {
 /// A polling thread's moves between cores (see [`SHARED_CORE_YIELD`]), one per thread.
 ///
 /// - A yield that ran a polling thread (late by more than [`SHARED_CORE_YIELD`], less than
-///   [`NON_YIELDING`]) moves it to another core, on the toss of a coin: the thread it shares
-///   the core with, the peer's, saw the same and decides the same way, and if both moved they
-///   would share the other core. The coin is the yield's time to the nanosecond. It moves at
-///   most once in [`LEAVE_CORE_EVERY`].
+///   [`NON_YIELDING`]) moves it to another core, on the toss of a coin ([`coin`]): the thread
+///   it shares the core with, the peer's, saw the same and decides the same way, and if both
+///   moved they would share the other core. It moves at most once in [`LEAVE_CORE_EVERY`].
 /// - The first yield after a move tells whether the new core was a better one. If it ran a
 ///   thread that does not yield (another job holds that core), the thread goes back at once,
 ///   and tries no other core for [`AFTER_RETURN`]: sharing a core with a thread that keeps it
@@ -220,8 +219,9 @@ struct CoreMoves {
 }
 
 impl CoreMoves {
-    /// After a periodic yield at `now` that returned `late` after the time it was due.
-    fn after_yield(&mut self, now: std::time::Instant, late: Duration) -> CoreMove {
+    /// After a periodic yield at `now` that returned `late` after the time it was due, with
+    /// the coin showing `heads` or not.
+    fn after_yield(&mut self, now: std::time::Instant, late: Duration, heads: bool) -> CoreMove {
         if let Some(core) = self.left.take()
             && late >= NON_YIELDING
         {
@@ -229,7 +229,7 @@ impl CoreMoves {
             return CoreMove::Return(core);
         }
         let shared = late > SHARED_CORE_YIELD && late < NON_YIELDING;
-        if shared && late.subsec_nanos() & 1 == 1 && self.next.is_none_or(|next| now >= next) {
+        if shared && heads && self.next.is_none_or(|next| now >= next) {
             self.next = Some(now + LEAVE_CORE_EVERY);
             return CoreMove::Leave;
         }
@@ -248,7 +248,7 @@ fn after_yield(now: std::time::Instant, late: Duration) {
         static MOVES: std::cell::Cell<CoreMoves> = const { std::cell::Cell::new(CoreMoves { next: None, left: None }) };
     }
     let mut moves = MOVES.get();
-    match moves.after_yield(now, late) {
+    match moves.after_yield(now, late, coin(late)) {
         CoreMove::Stay => {}
         CoreMove::Leave => moves.moved(move_core(None)),
         CoreMove::Return(core) => {
@@ -256,6 +256,13 @@ fn after_yield(now: std::time::Instant, late: Duration) {
         }
     }
     MOVES.set(moves);
+}
+
+/// A coin toss from how late a yield was and this process's id: two ranks' threads toss apart
+/// even on a clock that counts in coarse steps. A multiplicative hash's top bit.
+fn coin(late: Duration) -> bool {
+    let x = (late.as_nanos() as u64) ^ (u64::from(std::process::id()) << 32);
+    x.wrapping_mul(0x9E37_79B9_7F4A_7C15) >> 63 == 1
 }
 
 /// Move the calling thread to core `to` (`None`: any other core it may run on), then let it run
@@ -810,19 +817,19 @@ mod tests {
     }
 
     #[test]
-    fn a_thread_sharing_its_core_with_a_poller_moves_on_an_odd_coin_and_then_not_for_a_while() {
+    fn a_thread_sharing_its_core_with_a_poller_moves_on_heads_and_then_not_for_a_while() {
         let now = std::time::Instant::now();
-        let (odd, even) = (Duration::from_nanos(15_001), Duration::from_nanos(15_002));
+        let shared = Duration::from_micros(15);
         let mut m = CoreMoves::default();
-        assert_eq!(m.after_yield(now, Duration::from_nanos(3_001)), CoreMove::Stay, "on time: the core is its own");
-        assert_eq!(m.after_yield(now, even), CoreMove::Stay, "an even coin stays (the peer may be moving)");
-        assert_eq!(m.after_yield(now, odd), CoreMove::Leave);
+        assert_eq!(m.after_yield(now, Duration::from_micros(3), true), CoreMove::Stay, "on time: the core is its own");
+        assert_eq!(m.after_yield(now, shared, false), CoreMove::Stay, "tails stays (the peer may be moving)");
+        assert_eq!(m.after_yield(now, shared, true), CoreMove::Leave);
         m.moved(Some(0));
-        assert_eq!(m.after_yield(now, Duration::from_nanos(2_001)), CoreMove::Stay, "the new core is free");
-        assert_eq!(m.after_yield(now + LEAVE_CORE_EVERY / 2, odd), CoreMove::Stay, "moved a moment ago");
-        assert_eq!(m.after_yield(now + LEAVE_CORE_EVERY, odd), CoreMove::Leave, "after the interval it may move again");
+        assert_eq!(m.after_yield(now, Duration::from_micros(2), true), CoreMove::Stay, "the new core is free");
+        assert_eq!(m.after_yield(now + LEAVE_CORE_EVERY / 2, shared, true), CoreMove::Stay, "moved a moment ago");
+        assert_eq!(m.after_yield(now + LEAVE_CORE_EVERY, shared, true), CoreMove::Leave, "after the interval");
         assert_eq!(
-            m.after_yield(now, Duration::from_millis(3)),
+            m.after_yield(now, Duration::from_millis(3), true),
             CoreMove::Stay,
             "a busy thread, no move before: stays"
         );
@@ -831,18 +838,27 @@ mod tests {
     #[test]
     fn a_thread_that_moved_next_to_a_thread_that_does_not_yield_goes_back_and_stays_a_while() {
         let now = std::time::Instant::now();
-        let odd = Duration::from_nanos(30_001);
+        let shared = Duration::from_micros(30);
         let mut m = CoreMoves::default();
-        assert_eq!(m.after_yield(now, odd), CoreMove::Leave);
+        assert_eq!(m.after_yield(now, shared, true), CoreMove::Leave);
         m.moved(Some(1));
         let later = now + Duration::from_micros(50);
-        assert_eq!(m.after_yield(later, Duration::from_millis(2)), CoreMove::Return(1), "another job holds that core");
-        assert_eq!(m.after_yield(later, Duration::from_millis(2)), CoreMove::Stay, "back already");
-        assert_eq!(m.after_yield(later + LEAVE_CORE_EVERY, odd), CoreMove::Stay, "no other core for a while");
-        assert_eq!(m.after_yield(later + AFTER_RETURN, odd), CoreMove::Leave);
+        let busy = Duration::from_millis(2);
+        assert_eq!(m.after_yield(later, busy, false), CoreMove::Return(1), "another job holds that core");
+        assert_eq!(m.after_yield(later, busy, true), CoreMove::Stay, "back already");
+        assert_eq!(m.after_yield(later + LEAVE_CORE_EVERY, shared, true), CoreMove::Stay, "no other core for a while");
+        assert_eq!(m.after_yield(later + AFTER_RETURN, shared, true), CoreMove::Leave);
         // A move that did not happen has nothing to go back to.
         m.moved(None);
-        assert_eq!(m.after_yield(later + AFTER_RETURN, Duration::from_millis(2)), CoreMove::Stay);
+        assert_eq!(m.after_yield(later + AFTER_RETURN, busy, true), CoreMove::Stay);
+    }
+
+    #[test]
+    fn the_coin_falls_both_ways_even_on_a_coarse_clock() {
+        for step in [1, 1_000] {
+            let heads = (1..=1_000u64).filter(|i| coin(Duration::from_nanos(10_000 + i * step))).count();
+            assert!((350..=650).contains(&heads), "{heads} heads in 1,000 tosses {step} ns apart");
+        }
     }
 
     fn affinity() -> libc::cpu_set_t {
@@ -860,6 +876,7 @@ mod tests {
             let before = affinity();
             // SAFETY: reads a mask this frame owns.
             let cores = unsafe { libc::CPU_COUNT(&before) };
+            // SAFETY: a plain call about the calling thread.
             let here = || usize::try_from(unsafe { libc::sched_getcpu() }).unwrap();
             // SAFETY: compares two masks this frame owns.
             let unpinned = || unsafe { libc::CPU_EQUAL(&affinity(), &before) };
