@@ -467,13 +467,15 @@ impl FastReader {
 /// pair's other connections, which only carry their ends, only when `sockets` (a polling thread
 /// asks every few looks), so that a thread spinning on rings alone makes no system call.
 pub(crate) fn readable(readers: &[Arc<FastReader>], sockets: bool) -> impl Iterator<Item = bool> {
-    let mut fds: Vec<libc::pollfd> = readers
-        .iter()
-        .map(|r| {
-            let fd = if r.looked_at_seldom() && !sockets { -1 } else { r.raw_fd() };
-            libc::pollfd { fd, events: libc::POLLIN, revents: 0 }
-        })
-        .collect();
+    // Between socket looks a group whose peers all share memory asks nothing of the kernel,
+    // and builds nothing to ask it with.
+    let ask = sockets || readers.iter().any(|r| !r.looked_at_seldom());
+    let mut fds: Vec<libc::pollfd> = if ask {
+        let fd = |r: &Arc<FastReader>| if r.looked_at_seldom() && !sockets { -1 } else { r.raw_fd() };
+        readers.iter().map(|r| libc::pollfd { fd: fd(r), events: libc::POLLIN, revents: 0 }).collect()
+    } else {
+        Vec::new()
+    };
     let n = if fds.iter().all(|p| p.fd < 0) {
         0
     } else {
@@ -482,8 +484,8 @@ pub(crate) fn readable(readers: &[Arc<FastReader>], sockets: bool) -> impl Itera
         // the negative ones).
         unsafe { libc::poll(fds.as_mut_ptr(), fds.len() as libc::nfds_t, 0) }
     };
-    fds.into_iter().zip(readers).map(move |(p, r)| {
-        let socket = n > 0 && p.revents != 0;
+    readers.iter().enumerate().map(move |(i, r)| {
+        let socket = n > 0 && fds.get(i).is_some_and(|p| p.revents != 0);
         if socket && r.shm.is_some() {
             r.socket_ready.store(true, Ordering::Release);
         }

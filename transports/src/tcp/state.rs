@@ -98,7 +98,7 @@ pub(crate) struct DriverState {
     plans: PlanCache,
     /// p2p matching: posted receives, and payloads nobody has asked for yet.
     p2p: Matcher<WorkId>,
-    /// The ranks a running collective waits for, as last asked (the allocation is reused).
+    /// The ranks a running collective waits for, as last asked (one allocation for every ask).
     waiting_scratch: Vec<Rank>,
     /// Frames queued and not yet written, readable without the lock (see
     /// [`DriverState::writing_count`]): the data plane's count, mirrored.
@@ -368,11 +368,13 @@ impl DriverState {
         let Some(Pending { payload: Payload::Collective { run: Some(run), .. }, .. }) = self.plane.work(id) else {
             return;
         };
-        let mut ranks = Vec::new();
+        // The shared list: this runs at every step of every collective.
+        let mut ranks = std::mem::take(&mut self.waiting_scratch);
         run.waiting_on(&mut ranks);
         if let Some(failure) = self.plane.stranded(&ranks) {
             self.group.handle_completion(now, id, failure);
         }
+        self.waiting_scratch = ranks;
     }
 
     /// The data side of `id` is done: complete it if every frame of it is written.
