@@ -365,12 +365,21 @@ impl DriverState {
 
     /// Fail a running collective that waits for a peer whose connection is closed.
     fn fail_if_stranded(&mut self, now: Instant, id: WorkId) {
+        self.check_waiting(now, id, false);
+    }
+
+    /// Ask a running collective whom it waits for: tell the group if `tell` (for stuck notes
+    /// and timeouts), and fail it if one of them has closed its connection. The rank list is
+    /// the driver's own, reused: this runs at every step of every collective.
+    fn check_waiting(&mut self, now: Instant, id: WorkId, tell: bool) {
         let Some(Pending { payload: Payload::Collective { run: Some(run), .. }, .. }) = self.plane.work(id) else {
             return;
         };
-        // The shared list: this runs at every step of every collective.
         let mut ranks = std::mem::take(&mut self.waiting_scratch);
         run.waiting_on(&mut ranks);
+        if tell {
+            self.group.handle_waiting_on(now, id, &ranks);
+        }
         if let Some(failure) = self.plane.stranded(&ranks) {
             self.group.handle_completion(now, id, failure);
         }
@@ -565,13 +574,7 @@ impl DriverState {
                     return;
                 };
                 if !run.is_done() {
-                    let mut ranks = std::mem::take(&mut self.waiting_scratch);
-                    run.waiting_on(&mut ranks);
-                    self.group.handle_waiting_on(now, id, &ranks);
-                    if let Some(failure) = self.plane.stranded(&ranks) {
-                        self.group.handle_completion(now, id, failure);
-                    }
-                    self.waiting_scratch = ranks;
+                    self.check_waiting(now, id, true);
                     return;
                 }
                 let Some(p) = self.plane.work_mut(id) else { return };
