@@ -1,6 +1,6 @@
 //! [`Executor`]: runs one rank's [`Plan`], sans IO.
 
-use std::collections::{BTreeMap, BTreeSet};
+use std::collections::BTreeMap;
 use std::ops::Range;
 use std::sync::Arc;
 
@@ -70,11 +70,61 @@ pub struct Executor {
     claimed: Vec<u32>,
     /// Chunks that arrived before their receive could be applied.
     kept: BTreeMap<u32, Vec<u8>>,
-    /// Sends whose dependencies are met, not yet handed out.
-    ready_sends: BTreeSet<u32>,
-    /// Local actions and arrived receives whose dependencies are met, not yet run.
-    runnable: BTreeSet<u32>,
+    /// Sends whose dependencies are met, not yet handed out ([`Queue::Sends`]), and local
+    /// actions and arrived receives whose dependencies are met, not yet run
+    /// ([`Queue::Runnable`]).
+    ready: Ready,
     remaining: usize,
+}
+
+/// Which of [`Ready`]'s two queues.
+#[derive(Debug, Clone, Copy)]
+enum Queue {
+    Sends = 0,
+    Runnable = 1,
+}
+
+/// Action indices waiting their turn, in two queues that each give up their lowest index
+/// first: bit sets over the plan's actions, both in one allocation made with the executor.
+/// Every work builds an executor, and a small collective's plan has a handful of actions: an
+/// ordered set's node allocations and rebalancing were a measurable part of such a work.
+#[derive(Debug)]
+struct Ready {
+    /// The sends' words, then the runnable actions' words.
+    words: Vec<u64>,
+    /// Words per queue.
+    per: usize,
+    /// Per queue, the first word that may have a bit set.
+    low: [usize; 2],
+}
+
+impl Ready {
+    fn new(actions: usize) -> Ready {
+        let per = actions.div_ceil(64);
+        Ready { words: vec![0; 2 * per], per, low: [per; 2] }
+    }
+
+    fn insert(&mut self, q: Queue, i: u32) {
+        let w = i as usize / 64;
+        self.words[q as usize * self.per + w] |= 1 << (i % 64);
+        self.low[q as usize] = self.low[q as usize].min(w);
+    }
+
+    fn pop_first(&mut self, q: Queue) -> Option<u32> {
+        let base = q as usize * self.per;
+        let words = &mut self.words[base..base + self.per];
+        let low = &mut self.low[q as usize];
+        while *low < words.len() {
+            let word = &mut words[*low];
+            if *word != 0 {
+                let bit = word.trailing_zeros();
+                *word &= *word - 1;
+                return Some((*low * 64) as u32 + bit);
+            }
+            *low += 1;
+        }
+        None
+    }
 }
 
 /// One action's progress.
@@ -142,8 +192,7 @@ impl Executor {
             acts,
             claimed: Vec::new(),
             kept: BTreeMap::new(),
-            ready_sends: BTreeSet::new(),
-            runnable: BTreeSet::new(),
+            ready: Ready::new(n),
             remaining: n,
         };
         for i in 0..n {
@@ -167,9 +216,9 @@ impl Executor {
         // Work made possible by the previous send runs now, not then: that send's bytes had to
         // stay untouched until this call.
         self.run_local();
-        let i = self.ready_sends.pop_first()?;
+        let i = self.ready.pop_first(Queue::Sends)?;
         let Action::Send { step, to, buf, range } = &self.plan.actions()[i as usize] else {
-            unreachable!("only sends are queued in ready_sends")
+            unreachable!("only sends are queued as sends")
         };
         let out = Outgoing { to: *to, step: *step, buf: *buf, range: range.clone() };
         self.complete(i);
@@ -316,15 +365,15 @@ impl Executor {
     fn became_ready(&mut self, i: u32) {
         match &self.plan.actions()[i as usize] {
             Action::Send { .. } => {
-                self.ready_sends.insert(i);
+                self.ready.insert(Queue::Sends, i);
             }
             Action::Recv { .. } => {
                 if self.acts[i as usize].arrived {
-                    self.runnable.insert(i);
+                    self.ready.insert(Queue::Runnable, i);
                 }
             }
             Action::Copy { .. } | Action::Finalize { .. } | Action::Premultiply { .. } => {
-                self.runnable.insert(i);
+                self.ready.insert(Queue::Runnable, i);
             }
         }
     }
@@ -344,7 +393,7 @@ impl Executor {
 
     /// Run every runnable local action and kept chunk, until none is left.
     fn run_local(&mut self) {
-        while let Some(i) = self.runnable.pop_first() {
+        while let Some(i) = self.ready.pop_first(Queue::Runnable) {
             match self.plan.actions()[i as usize].clone() {
                 Action::Recv { .. } => {
                     let payload = self.kept.remove(&i).expect("runnable receives have arrived and were kept");
@@ -396,6 +445,35 @@ mod tests {
     use crate::reduce::ReduceOp;
     use crate::schedule::{AllreduceAlgorithm, PlanOptions, ScheduleOp};
     use crate::tensor::DType;
+
+    proptest::proptest! {
+        /// Each queue gives up its lowest index first, whatever the order of inserts and pops,
+        /// as the ordered sets it replaces did; the two queues do not see each other's indices.
+        #[test]
+        fn ready_queues_pop_lowest_first(n in 1usize..200, ops in proptest::collection::vec((0u8..4, 0usize..200), 0..300)) {
+            let mut ready = Ready::new(n);
+            let mut model = [std::collections::BTreeSet::new(), std::collections::BTreeSet::new()];
+            for (op, i) in ops {
+                let (q, k) = if op % 2 == 0 { (Queue::Sends, 0) } else { (Queue::Runnable, 1) };
+                if op < 2 {
+                    let i = (i % n) as u32;
+                    ready.insert(q, i);
+                    model[k].insert(i);
+                } else {
+                    proptest::prop_assert_eq!(ready.pop_first(q), model[k].pop_first());
+                }
+            }
+            for (q, k) in [(Queue::Sends, 0), (Queue::Runnable, 1)] {
+                loop {
+                    let want = model[k].pop_first();
+                    proptest::prop_assert_eq!(ready.pop_first(q), want);
+                    if want.is_none() {
+                        break;
+                    }
+                }
+            }
+        }
+    }
 
     fn f32s(v: &[f32]) -> HostBuffer {
         HostBuffer::from_bytes(bytemuck::cast_slice(v))
