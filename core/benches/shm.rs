@@ -1,0 +1,80 @@
+//! The floor under a small allreduce over shared memory: two threads, each a rank, exchange
+//! one 4-byte frame per iteration through a segment's two rings (header encoded, written,
+//! spun for, decoded and the payload summed), with none of a work's lifecycle around it. The
+//! distance between this and `cohort bench --ranks 2 -b 4 -e 4` is what the lifecycle costs;
+//! `docs/performance.md` compares both with OpenMPI's vader.
+//!
+//! `cargo bench -p cohort-core --bench shm -- --warm-up-time 1 --measurement-time 3`
+
+use std::hint::black_box;
+use std::sync::mpsc;
+use std::time::{Duration, Instant};
+
+use cohort_core::protocol::{FrameHeader, FrameLimits, HEADER_LEN};
+use cohort_core::shm::{Consumer, Direction, Producer, Segment};
+use cohort_core::{GroupId, Rank, SeqNo};
+use criterion::{Criterion, criterion_group, criterion_main};
+
+const FRAME: usize = HEADER_LEN + 4;
+
+/// One rank's side: send `value` for `seq`, wait for the peer's, and return the sum.
+fn exchange(me: Rank, tx: &mut Producer, rx: &mut Consumer, seq: u64, value: f32, limits: &FrameLimits) -> f32 {
+    let header = FrameHeader::data(GroupId(1), SeqNo(seq), 0, me, 4).encode();
+    let payload = value.to_le_bytes();
+    let wrote = tx.write([&header[..], &payload[..]]).expect("the bench's own ring is sound");
+    assert_eq!(wrote, FRAME, "the ring has room for one frame a turn");
+    while rx.available().expect("the bench's own ring is sound") < FRAME {
+        std::hint::spin_loop();
+    }
+    // Copied out rather than read in place: a frame may wrap around the ring's end.
+    let mut bytes = [0u8; FRAME];
+    let read = rx.read(&mut bytes).expect("the bench's own ring is sound");
+    assert_eq!(read, FRAME, "one whole frame waits");
+    let head: &[u8; HEADER_LEN] = bytes[..HEADER_LEN].try_into().expect("a frame starts with its header");
+    let header = FrameHeader::decode(head, limits).expect("the peer wrote a valid header");
+    assert_eq!(header.seq, SeqNo(seq), "frames arrive in order");
+    value + f32::from_le_bytes(bytes[HEADER_LEN..].try_into().expect("4 payload bytes"))
+}
+
+fn pingpong(c: &mut Criterion) {
+    let seg = Segment::in_heap(1 << 16).expect("a valid capacity");
+    let (mut tx, mut rx) = (seg.producer(Direction::FromCreator), seg.consumer(Direction::FromAcceptor));
+    let (mut peer_tx, mut peer_rx) = (seg.producer(Direction::FromAcceptor), seg.consumer(Direction::FromCreator));
+    let (order, orders) = mpsc::channel::<u64>();
+    let peer = std::thread::spawn(move || {
+        let limits = FrameLimits::default();
+        let mut seq = 0;
+        for iters in orders {
+            for _ in 0..iters {
+                seq += 1;
+                black_box(exchange(Rank(1), &mut peer_tx, &mut peer_rx, seq, 2.0, &limits));
+            }
+        }
+    });
+    let limits = FrameLimits::default();
+    let mut seq = 0;
+    let mut g = c.benchmark_group("shm_exchange");
+    g.bench_function("allreduce_4B_two_threads", |b| {
+        b.iter_custom(|iters| {
+            order.send(iters).expect("the peer thread runs");
+            #[allow(clippy::disallowed_methods)] // a benchmark's own wall clock; the core has none
+            let start = Instant::now();
+            for _ in 0..iters {
+                seq += 1;
+                let sum = exchange(Rank(0), &mut tx, &mut rx, seq, 1.0, &limits);
+                assert_eq!(sum, 3.0);
+            }
+            start.elapsed()
+        })
+    });
+    g.finish();
+    drop(order);
+    peer.join().expect("the peer thread ends");
+}
+
+criterion_group! {
+    name = benches;
+    config = Criterion::default().warm_up_time(Duration::from_secs(1)).measurement_time(Duration::from_secs(3));
+    targets = pingpong
+}
+criterion_main!(benches);
