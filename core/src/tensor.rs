@@ -430,18 +430,32 @@ impl Tensor {
 
     /// A tensor of `shape` over `buffer`, without copying it; checked as [`Tensor::from_bytes`].
     pub fn from_host_buffer(dtype: DType, shape: &[usize], buffer: HostBuffer) -> Result<Tensor, TensorError> {
-        let expected = numel_of(shape).ok_or_else(|| TensorError::TooLarge(shape.to_vec()))?;
+        Tensor::from_parts(dtype, shape.to_vec(), buffer)
+    }
+
+    /// [`Tensor::from_host_buffer`] taking the shape by value, checked the same way: with
+    /// [`Tensor::into_parts`], a tensor taken apart and put back together allocates nothing.
+    pub fn from_parts(dtype: DType, shape: Vec<usize>, buffer: HostBuffer) -> Result<Tensor, TensorError> {
+        let Some(expected) = numel_of(&shape) else { return Err(TensorError::TooLarge(shape)) };
         let len = buffer.len();
         if !len.is_multiple_of(dtype.size()) {
             return Err(TensorError::RaggedBytes { len, dtype });
         }
         if len / dtype.size() != expected {
-            return Err(TensorError::ShapeMismatch { shape: shape.to_vec(), expected, actual: len / dtype.size() });
+            return Err(TensorError::ShapeMismatch { shape, expected, actual: len / dtype.size() });
         }
         if dtype == DType::Bool {
             check_bools(buffer.as_bytes())?;
         }
-        Ok(Tensor { dtype, shape: shape.to_vec(), storage: Storage::Host(buffer) })
+        Ok(Tensor { dtype, shape, storage: Storage::Host(buffer) })
+    }
+
+    /// The tensor's dtype, shape and host buffer, without copying any of them.
+    pub fn into_parts(self) -> (DType, Vec<usize>, HostBuffer) {
+        let Tensor { dtype, shape, storage } = self;
+        match storage {
+            Storage::Host(b) => (dtype, shape, b),
+        }
     }
 
     /// The tensor's host buffer, without copying it (the shape and dtype are dropped).
@@ -649,6 +663,20 @@ mod tests {
         assert!(matches!(Tensor::from_host_buffer(DType::F64, &[1], twelve), Err(TensorError::RaggedBytes { .. })));
         let bad_bools = Tensor::from_slice(&[0u8, 2]).into_host_buffer();
         assert!(matches!(Tensor::from_host_buffer(DType::Bool, &[2], bad_bools), Err(TensorError::NotABool { .. })));
+    }
+
+    #[test]
+    fn a_tensor_taken_apart_goes_back_together_checked() {
+        let t = Tensor::from_slice_shaped(&[1.0f32, 2.0, 3.0, 4.0, 5.0, 6.0], &[3, 2]).unwrap();
+        let (dtype, shape, buf) = t.clone().into_parts();
+        assert_eq!((dtype, shape.as_slice(), buf.len()), (DType::F32, &[3, 2][..], 24));
+        assert_eq!(Tensor::from_parts(dtype, shape, buf.clone()).unwrap(), t);
+        let err = Tensor::from_parts(DType::F32, vec![5], buf.clone()).unwrap_err();
+        assert!(matches!(err, TensorError::ShapeMismatch { expected: 5, actual: 6, .. }), "{err}");
+        let err = Tensor::from_parts(DType::F32, vec![usize::MAX, 2], buf).unwrap_err();
+        assert!(matches!(err, TensorError::TooLarge(_)), "{err}");
+        let bad_bools = Tensor::from_slice(&[1u8, 7]).into_host_buffer();
+        assert!(matches!(Tensor::from_parts(DType::Bool, vec![2], bad_bools), Err(TensorError::NotABool { .. })));
     }
 
     #[test]

@@ -144,8 +144,8 @@ fn concat(tensors: &[Tensor]) -> Vec<u8> {
 fn local_input(mut tensors: Vec<Tensor>, reduce: Option<&Reduction>) -> Result<(HostBuffer, Finish), String> {
     if tensors.len() == 1 {
         let t = tensors.pop().ok_or("no tensors")?;
-        let (dtype, shape) = (t.dtype(), t.shape().to_vec());
-        return Ok((t.into_host_buffer(), Finish::Moved { dtype, shape }));
+        let (dtype, shape, buffer) = t.into_parts();
+        return Ok((buffer, Finish::Moved { dtype, shape }));
     }
     let first = tensors.first().ok_or("no tensors")?;
     let mut acc = HostBuffer::from_bytes(first.bytes());
@@ -373,7 +373,7 @@ impl CollectiveRun {
         let (data, output) = self.exec.into_buffers();
         match self.finish {
             Finish::Moved { dtype, shape } => {
-                Ok(vec![Tensor::from_host_buffer(dtype, &shape, data).map_err(|e| e.to_string())?])
+                Ok(vec![Tensor::from_parts(dtype, shape, data).map_err(|e| e.to_string())?])
             }
             Finish::InPlace { mut tensors, slots } => {
                 let data = data.as_bytes();
