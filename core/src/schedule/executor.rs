@@ -85,13 +85,16 @@ enum Queue {
 }
 
 /// Action indices waiting their turn, in two queues that each give up their lowest index
-/// first: bit sets over the plan's actions, both in one allocation made with the executor.
-/// Every work builds an executor, and a small collective's plan has a handful of actions: an
-/// ordered set's node allocations and rebalancing were a measurable part of such a work.
+/// first: bit sets over the plan's actions. Every work builds an executor, and a small
+/// collective's plan has a handful of actions: an ordered set's node allocations and
+/// rebalancing were a measurable part of such a work. Plans of up to 64 actions keep both
+/// sets inline; larger ones put them in one allocation.
 #[derive(Debug)]
 struct Ready {
-    /// The sends' words, then the runnable actions' words.
-    words: Vec<u64>,
+    /// Both queues' words when a queue needs one word at most.
+    inline: [u64; 2],
+    /// The sends' words, then the runnable actions' words, when a queue needs more.
+    spilled: Vec<u64>,
     /// Words per queue.
     per: usize,
     /// Per queue, the first word that may have a bit set.
@@ -101,29 +104,35 @@ struct Ready {
 impl Ready {
     fn new(actions: usize) -> Ready {
         let per = actions.div_ceil(64);
-        Ready { words: vec![0; 2 * per], per, low: [per; 2] }
+        let spilled = if per > 1 { vec![0; 2 * per] } else { Vec::new() };
+        Ready { inline: [0; 2], spilled, per, low: [per; 2] }
+    }
+
+    fn queue(&mut self, q: Queue) -> &mut [u64] {
+        let words = if self.per > 1 { &mut self.spilled[..] } else { &mut self.inline[..2 * self.per] };
+        &mut words[q as usize * self.per..(q as usize + 1) * self.per]
     }
 
     fn insert(&mut self, q: Queue, i: u32) {
         let w = i as usize / 64;
-        self.words[q as usize * self.per + w] |= 1 << (i % 64);
+        self.queue(q)[w] |= 1 << (i % 64);
         self.low[q as usize] = self.low[q as usize].min(w);
     }
 
     fn pop_first(&mut self, q: Queue) -> Option<u32> {
-        let base = q as usize * self.per;
-        let words = &mut self.words[base..base + self.per];
-        let low = &mut self.low[q as usize];
-        while *low < words.len() {
-            let word = &mut words[*low];
+        let mut low = self.low[q as usize];
+        let words = self.queue(q);
+        let found = loop {
+            let Some(word) = words.get_mut(low) else { break None };
             if *word != 0 {
                 let bit = word.trailing_zeros();
                 *word &= *word - 1;
-                return Some((*low * 64) as u32 + bit);
+                break Some((low * 64) as u32 + bit);
             }
-            *low += 1;
-        }
-        None
+            low += 1;
+        };
+        self.low[q as usize] = low;
+        found
     }
 }
 
