@@ -242,8 +242,66 @@ impl CoreMoves {
     }
 }
 
-/// The calling thread's [`CoreMoves`], after a periodic yield at `now` that returned `late`.
+/// How long a thread that found another polling thread on its core goes on yielding at every
+/// empty poll ([`TakeTurns`]) after the last yield that switched to another thread.
+const TAKE_TURNS_FOR: Duration = Duration::from_millis(1);
+
+/// A yield that took longer than this ran another thread (a bare `sched_yield` takes well
+/// under it).
+const SWITCHED: Duration = Duration::from_micros(2);
+
+/// Whether a polling thread takes turns with another on its core: it yields at every empty
+/// poll instead of spinning for its yield interval.
+///
+/// Two ranks' polling threads on one core (see [`SHARED_CORE_YIELD`]) each hold it for a
+/// whole interval while the other, whose frame the first waits for, cannot run: a small
+/// allreduce then takes two intervals and more instead of a few microseconds, every other
+/// iteration. A thread that saw a yield run a polling thread yields at every empty poll, as an
+/// oversubscribed rank does, until [`TAKE_TURNS_FOR`] has passed with no yield that switched to
+/// another thread; then it spins again, and its next periodic yield tells whether the core is
+/// still shared. [`CoreMoves`] meanwhile moves one of the two to another core.
+#[derive(Debug, Clone, Copy, Default)]
+struct TakeTurns {
+    until: Option<std::time::Instant>,
+}
+
+impl TakeTurns {
+    /// After a yield at `now` that took `late`.
+    fn after_yield(&mut self, now: std::time::Instant, late: Duration) {
+        let polling_thread = late > SHARED_CORE_YIELD && late < NON_YIELDING;
+        let switched = self.taking(now) && late > SWITCHED && late < NON_YIELDING;
+        if polling_thread || switched {
+            self.until = Some(now + TAKE_TURNS_FOR);
+        }
+    }
+
+    fn taking(&self, now: std::time::Instant) -> bool {
+        self.until.is_some_and(|until| now < until)
+    }
+
+    /// How long to spin before the next yield, at `now`, for a thread whose interval is
+    /// `every`.
+    fn interval(&self, now: std::time::Instant, every: Duration) -> Duration {
+        if self.taking(now) { Duration::ZERO } else { every }
+    }
+}
+
+thread_local! {
+    /// The calling thread's [`TakeTurns`].
+    static TURNS: std::cell::Cell<TakeTurns> = const { std::cell::Cell::new(TakeTurns { until: None }) };
+}
+
+/// The calling thread's spin before its next yield at `now` ([`TakeTurns::interval`]).
+fn turns(now: std::time::Instant, every: Duration) -> Duration {
+    TURNS.get().interval(now, every)
+}
+
+/// The calling thread's [`CoreMoves`] and [`TakeTurns`], after a periodic yield at `now` that
+/// took `late`.
 fn after_yield(now: std::time::Instant, late: Duration) {
+    let mut turns = TURNS.get();
+    turns.after_yield(now, late);
+    TURNS.set(turns);
     thread_local! {
         static MOVES: std::cell::Cell<CoreMoves> = const { std::cell::Cell::new(CoreMoves { next: None, left: None }) };
     }
@@ -488,7 +546,7 @@ impl Work {
         // A zero budget still looks once: what the thread waits for has often arrived.
         let mut spent = !budget.is_zero();
         let mut first = true;
-        let mut next_yield = start + yield_every;
+        let mut next_yield = start + turns(start, yield_every);
         loop {
             let delivered = progress.poll(std::mem::take(&mut first));
             if delivered.is_none() {
@@ -505,11 +563,13 @@ impl Work {
                 Some(false) if now < next_yield => std::hint::spin_loop(),
                 Some(false) => {
                     std::thread::yield_now();
-                    next_yield = std::time::Instant::now() + yield_every;
+                    let back = std::time::Instant::now();
                     if !yield_every.is_zero() {
-                        // Whether another thread had this core meanwhile (see `CoreMoves`).
-                        after_yield(next_yield, next_yield.duration_since(now).saturating_sub(yield_every));
+                        // Whether another thread had this core meanwhile (see `CoreMoves` and
+                        // `TakeTurns`).
+                        after_yield(back, back.duration_since(now));
                     }
+                    next_yield = back + turns(back, yield_every);
                 }
             }
         }
@@ -814,6 +874,29 @@ mod tests {
         fn sleep(&self) {}
         fn woke(&self, _time: Duration, _polled: bool) {}
         fn flush(&self) {}
+    }
+
+    #[test]
+    fn a_thread_that_yielded_to_a_poller_takes_turns_until_a_quiet_millisecond() {
+        let every = YIELD_EVERY;
+        let now = std::time::Instant::now();
+        let mut t = TakeTurns::default();
+        assert_eq!(t.interval(now, every), every, "spins between yields at first");
+        // A yield to a short-lived thread (this rank's runtime) or to one that keeps its core
+        // (another job's) is no reason to take turns.
+        t.after_yield(now, Duration::from_micros(5));
+        t.after_yield(now, Duration::from_millis(3));
+        assert_eq!(t.interval(now, every), every);
+        // One that ran a polling thread is.
+        t.after_yield(now, Duration::from_micros(30));
+        assert_eq!(t.interval(now, every), Duration::ZERO);
+        // While taking turns, a yield that switched to the other thread keeps it going; a bare
+        // yield does not.
+        let a = now + Duration::from_micros(900);
+        t.after_yield(a, Duration::from_micros(4));
+        t.after_yield(a + Duration::from_micros(500), Duration::from_nanos(600));
+        assert_eq!(t.interval(a + TAKE_TURNS_FOR - Duration::from_micros(1), every), Duration::ZERO);
+        assert_eq!(t.interval(a + TAKE_TURNS_FOR, every), every, "a quiet millisecond ends it");
     }
 
     #[test]
