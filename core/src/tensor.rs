@@ -460,9 +460,7 @@ impl Tensor {
 
     /// The tensor's host buffer, without copying it (the shape and dtype are dropped).
     pub fn into_host_buffer(self) -> HostBuffer {
-        match self.storage {
-            Storage::Host(b) => b,
-        }
+        self.into_parts().2
     }
 
     fn from_bytes_unchecked(dtype: DType, shape: Vec<usize>, bytes: &[u8]) -> Tensor {

@@ -181,6 +181,12 @@ pub(crate) const SHARED_CORE_YIELD: Duration = Duration::from_micros(10);
 /// thread, which keeps the core for its time slice), not a polling thread like ours.
 const NON_YIELDING: Duration = Duration::from_micros(500);
 
+/// Whether a yield that took `late` ran another rank's polling thread: it came back later than
+/// [`SHARED_CORE_YIELD`], and sooner than a thread that does not yield would have let it.
+fn ran_a_polling_thread(late: Duration) -> bool {
+    late > SHARED_CORE_YIELD && late < NON_YIELDING
+}
+
 /// The least time between two moves of one thread to another core.
 const LEAVE_CORE_EVERY: Duration = Duration::from_millis(1);
 
@@ -228,8 +234,7 @@ impl CoreMoves {
             self.next = Some(now + AFTER_RETURN);
             return CoreMove::Return(core);
         }
-        let shared = late > SHARED_CORE_YIELD && late < NON_YIELDING;
-        if shared && heads && self.next.is_none_or(|next| now >= next) {
+        if ran_a_polling_thread(late) && heads && self.next.is_none_or(|next| now >= next) {
             self.next = Some(now + LEAVE_CORE_EVERY);
             return CoreMove::Leave;
         }
@@ -268,9 +273,8 @@ struct TakeTurns {
 impl TakeTurns {
     /// After a yield at `now` that took `late`.
     fn after_yield(&mut self, now: std::time::Instant, late: Duration) {
-        let polling_thread = late > SHARED_CORE_YIELD && late < NON_YIELDING;
         let switched = self.taking(now) && late > SWITCHED && late < NON_YIELDING;
-        if polling_thread || switched {
+        if ran_a_polling_thread(late) || switched {
             self.until = Some(now + TAKE_TURNS_FOR);
         }
     }
