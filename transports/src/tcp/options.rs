@@ -97,9 +97,10 @@ pub struct TcpOptions {
     pub shared_memory: bool,
     /// Each direction's ring in a pair's shared-memory segment, in bytes (a power of two from
     /// 4 KiB to 1 GiB): room for a few of the large chunks a collective streams, so that a
-    /// writer rarely waits for its reader. The segment's memory is reserved when the pair
-    /// connects (twice this), so the default shrinks on hosts with many ranks: 4 MiB up to 8
-    /// ranks a host (`LOCAL_WORLD_SIZE`), else 32 MiB divided among them (at least 256 KiB).
+    /// writer rarely waits for its reader. The default depends on the ranks a host
+    /// (`LOCAL_WORLD_SIZE`): 4 MiB up to 2, 2 MiB up to 8, else 32 MiB divided among them (at
+    /// least 256 KiB): smaller rings stay in cache (see `shm_ring_bytes`). The segment's
+    /// memory is reserved when the pair connects (twice this).
     pub shm_ring_bytes: u64,
 }
 
@@ -136,9 +137,18 @@ impl Default for TcpOptions {
 pub const BUSY_POLL_MAX_BYTES: usize = 8 * 1024 * 1024;
 
 /// The default [`TcpOptions::shm_ring_bytes`] for `local` ranks on the host.
+///
+/// A ring's bytes are written and read in turn, cycling through all of it, so the smaller the
+/// ring the more of it is still in cache when its bytes come round again. With more than two
+/// ranks a host the rings (each rank writes one and reads another in a ring collective)
+/// outgrow the cache and the smaller ring is faster; with two, the larger one lets a writer of
+/// large chunks wait less for room (`docs/performance.md`, "Ring size").
 fn shm_ring_bytes(local: u64) -> u64 {
-    if local <= 8 {
+    if local <= 2 {
         return 4 << 20;
+    }
+    if local <= 8 {
+        return 2 << 20;
     }
     // 32 MiB among the ranks, rounded down to a power of two.
     let share = (32u64 << 20) / local;
@@ -316,7 +326,9 @@ mod tests {
             TcpOptions::from_lookup(|k| (k == "LOCAL_WORLD_SIZE").then(|| local.to_owned())).unwrap().shm_ring_bytes
         };
         assert_eq!(TcpOptions::default().shm_ring_bytes, 4 << 20);
-        assert_eq!(ring("8"), 4 << 20);
+        assert_eq!(ring("2"), 4 << 20);
+        assert_eq!(ring("3"), 2 << 20);
+        assert_eq!(ring("8"), 2 << 20);
         assert_eq!(ring("12"), 2 << 20);
         assert_eq!(ring("16"), 2 << 20);
         assert_eq!(ring("64"), 512 << 10);
