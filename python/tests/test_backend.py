@@ -8,6 +8,7 @@ from __future__ import annotations
 import datetime
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -51,8 +52,18 @@ def launch(case: str, world: int, backend: str, out_dir: Path, timeout: float = 
     return done
 
 
+# torch's own gloo now and then aborts a rank as the process ends ("terminate called without an
+# active exception": its worker threads outliving the group; pytorch/pytorch#190489 and #179291).
+# It is the reference the cohort runs are compared with, not what these tests test, so such a
+# gloo run is run again, once; cohort's runs never are.
+GLOO_TEARDOWN_ABORT = "terminate called without an active exception"
+
+
 def run_ok(case: str, world: int, backend: str, out_dir: Path) -> list[dict]:
-    for rank, p in enumerate(launch(case, world, backend, out_dir)):
+    procs = launch(case, world, backend, out_dir)
+    if backend == "gloo" and any(p.returncode == -signal.SIGABRT and GLOO_TEARDOWN_ABORT in p.stdout for p in procs):
+        procs = launch(case, world, backend, out_dir)
+    for rank, p in enumerate(procs):
         assert p.returncode == 0, f"{case} ({backend}) rank {rank} exited {p.returncode}:\n{p.stdout}"
     return [torch.load(out_dir / f"{case}_{backend}_{r}.pt") for r in range(world)]
 
