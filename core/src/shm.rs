@@ -254,7 +254,9 @@ impl Segment {
     /// The writing end of ring `dir`. Only one side may hold it.
     pub fn producer(&self, dir: Direction) -> Producer {
         let tail = self.word(dir, TAIL).load(Ordering::Acquire);
-        Producer { seg: self.clone(), dir, tail }
+        // Nothing written yet counts as read: the first write that needs more room than that
+        // reads (and checks) the consumer's position.
+        Producer { seg: self.clone(), dir, tail, head_seen: tail.saturating_sub(self.capacity) }
     }
 
     /// The reading end of ring `dir`. Only one side may hold it.
@@ -308,15 +310,25 @@ pub struct Producer {
     seg: Segment,
     dir: Direction,
     tail: u64,
+    /// The consumer's position when last read (checked then). It only grows, so the room it
+    /// gives is never more than there is: a write that fits in it does not read the
+    /// consumer's cache line, which the consumer writes at every read, and so does not wait
+    /// for that line to come over from the other core.
+    head_seen: u64,
 }
 
 impl Producer {
     /// Bytes that fit now.
     pub fn free(&self) -> Result<usize, ShmError> {
+        self.head().map(|head| self.room_after(head))
+    }
+
+    /// The consumer's position, checked against the invariant.
+    fn head(&self) -> Result<u64, ShmError> {
         let head = self.seg.word(self.dir, HEAD).load(Ordering::Acquire);
         let cap = self.seg.capacity;
         match self.tail.checked_sub(head) {
-            Some(used) if used <= cap => Ok((cap - used) as usize),
+            Some(used) if used <= cap => Ok(head),
             _ => Err(ShmError::Corrupt(format!(
                 "the reader's position {head} is not within {cap} bytes behind the writer's {}",
                 self.tail
@@ -324,9 +336,25 @@ impl Producer {
         }
     }
 
+    /// Room in the ring when the consumer is at `head` (checked, or a position it has passed).
+    fn room_after(&self, head: u64) -> usize {
+        (self.seg.capacity - (self.tail - head)) as usize
+    }
+
     /// Copy as much of `bufs` (in order) as fits, publish it, and return how many bytes went.
-    pub fn write<'a>(&mut self, bufs: impl IntoIterator<Item = &'a [u8]>) -> Result<usize, ShmError> {
-        let mut room = self.free()?;
+    /// The consumer's position is read only when the room seen last is too small for them.
+    pub fn write<'a, I>(&mut self, bufs: I) -> Result<usize, ShmError>
+    where
+        I: IntoIterator<Item = &'a [u8]>,
+        I::IntoIter: Clone,
+    {
+        let bufs = bufs.into_iter();
+        let want: usize = bufs.clone().map(<[u8]>::len).sum();
+        let mut room = self.room_after(self.head_seen);
+        if room < want {
+            self.head_seen = self.head()?;
+            room = self.room_after(self.head_seen);
+        }
         let cap = self.seg.capacity as usize;
         let data = self.seg.data(self.dir);
         let mut pos = self.tail;
@@ -673,7 +701,9 @@ mod tests {
             "shared ring corrupt: the writer's position 5000 is not within 4096 bytes ahead of the reader's 0"
         );
         seg.word(Direction::FromCreator, HEAD).store(1, Ordering::Relaxed);
-        assert!(matches!(p.write([&b"x"[..]]), Err(ShmError::Corrupt(_))), "a reader ahead of the writer");
+        assert!(matches!(p.free(), Err(ShmError::Corrupt(_))), "a reader ahead of the writer");
+        // A write reads the reader's position when the room it saw last is too small.
+        assert!(matches!(p.write([&[0u8; 4097][..]]), Err(ShmError::Corrupt(_))), "a reader ahead of the writer");
         seg.word(Direction::FromCreator, HEAD).store(0, Ordering::Relaxed);
         seg.word(Direction::FromCreator, TAIL).store(u64::MAX, Ordering::Relaxed);
         assert!(c.available().is_err());
