@@ -86,6 +86,8 @@ vars! {
     SOCKET_IFNAME = ["COHORT_SOCKET_IFNAME"];
     /// TCP: shared memory between ranks of one host.
     SHM = ["COHORT_SHM"];
+    /// TCP: two-rank allreduces over shared memory run in their submit call.
+    SHM_QUICK = ["COHORT_SHM_QUICK"];
     /// NCCL: a blocking communicator.
     NCCL_BLOCKING = ["COHORT_NCCL_BLOCKING"];
     /// NCCL: blocking-wait mode.

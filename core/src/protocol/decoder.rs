@@ -254,6 +254,12 @@ impl<B: PayloadBuffers> FrameDecoder<B> {
         self.failure.as_ref().map(|f| &f.error)
     }
 
+    /// Whether [`FrameDecoder::peek_frame`] may take a frame: the decoder stands between
+    /// frames with nothing buffered or queued, has not failed and has not seen the end.
+    pub fn can_peek(&self) -> bool {
+        self.failure.is_none() && !self.eof && self.ready.is_empty() && self.is_between_frames()
+    }
+
     /// Whether the decoder stands between frames: no part of a header or payload is buffered
     /// (frames whole but not yet polled aside). True at a clean end of stream.
     pub fn is_between_frames(&self) -> bool {
@@ -284,7 +290,7 @@ impl<B: PayloadBuffers> FrameDecoder<B> {
     /// fails them is this decoder's failure, as if it had been read (reported here once;
     /// [`FrameDecoder::poll_frame`] says `None` after it).
     pub fn peek_frame(&mut self, bytes: &[u8]) -> Option<Result<(FrameHeader, usize), FrameError>> {
-        if self.failure.is_some() || self.eof || !self.ready.is_empty() || !self.is_between_frames() {
+        if !self.can_peek() {
             return None;
         }
         let head: &[u8; HEADER_LEN] = bytes.get(..HEADER_LEN)?.try_into().ok()?;

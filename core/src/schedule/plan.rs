@@ -286,6 +286,39 @@ impl Plan {
         self.largest_recv
     }
 
+    /// The peer and step of a plan that is one exchange of the whole data buffer with one
+    /// peer: premultiply, send the buffer, combine the peer's buffer into it, finalize, in that
+    /// order and nothing else (a two-rank allreduce by recursive doubling). A driver may run
+    /// such a plan without an [`Executor`](super::Executor): the executor's result is the
+    /// buffer after `premultiply`, `combine(buffer, peer's)` and `finalize`.
+    pub fn single_exchange(&self) -> Option<(Rank, u32)> {
+        if !matches!(self.op, ScheduleOp::Allreduce { .. }) || self.output_len != 0 || self.data_len == 0 {
+            return None;
+        }
+        let all = 0..self.data_len;
+        let whole = |buf: &BufId, range: &Range<usize>| *buf == BufId::Data && *range == all;
+        let (mut sent, mut received) = (None, None);
+        let mut finalized = false;
+        for action in &self.actions {
+            match action {
+                Action::Premultiply { buf, range } if whole(buf, range) && sent.is_none() => {}
+                Action::Send { step, to, buf, range } if whole(buf, range) && sent.is_none() => {
+                    sent = Some((*to, *step));
+                }
+                Action::Recv { step, from, buf, range, mode: RecvMode::Reduce }
+                    if whole(buf, range) && received.is_none() && sent == Some((*from, *step)) =>
+                {
+                    received = sent;
+                }
+                Action::Finalize { buf, range } if whole(buf, range) && received.is_some() && !finalized => {
+                    finalized = true;
+                }
+                _ => return None,
+            }
+        }
+        received.filter(|_| finalized)
+    }
+
     /// Receive actions as `((step, from), action index)`, ordered by step then sender.
     pub(super) fn recv_table(&self) -> &BTreeMap<(u32, Rank), u32> {
         &self.recvs
@@ -529,6 +562,8 @@ impl Track {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::reduce::{ReduceOp, Reduction};
+    use crate::tensor::DType;
 
     fn plan(op: ScheduleOp, rank: u32, n: u32) -> Plan {
         Plan::new(&op, Rank(rank), n, 4, PlanOptions::default()).unwrap()
@@ -560,6 +595,58 @@ mod tests {
             Plan::new(&huge, Rank(0), MAX_WORLD_SIZE + 1, 4, o),
             Err(ScheduleError::WorldTooLarge { .. })
         ));
+    }
+
+    #[test]
+    fn only_a_two_rank_whole_buffer_allreduce_is_a_single_exchange() {
+        let small = ScheduleOp::Allreduce { count: 8 };
+        assert_eq!(plan(small.clone(), 0, 2).single_exchange(), Some((Rank(1), 1)));
+        assert_eq!(plan(small.clone(), 1, 2).single_exchange(), Some((Rank(0), 1)));
+        // Split into halves (halving-doubling), more than one peer, or not an allreduce.
+        assert_eq!(plan(ScheduleOp::Allreduce { count: 1 << 20 }, 0, 2).single_exchange(), None);
+        assert_eq!(plan(small.clone(), 0, 4).single_exchange(), None);
+        assert_eq!(plan(small.clone(), 0, 3).single_exchange(), None);
+        assert_eq!(plan(small, 0, 1).single_exchange(), None);
+        assert_eq!(plan(ScheduleOp::Allreduce { count: 0 }, 0, 2).single_exchange(), None);
+        assert_eq!(plan(ScheduleOp::Broadcast { count: 8, root: Rank(0) }, 1, 2).single_exchange(), None);
+        assert_eq!(plan(ScheduleOp::Barrier, 0, 2).single_exchange(), None);
+    }
+
+    proptest::proptest! {
+        /// What a driver computes for a single exchange without an executor (premultiply,
+        /// combine the peer's buffer, finalize) is what the executors compute, bit for bit.
+        #[test]
+        fn a_single_exchange_run_by_hand_matches_the_executors(
+            count in 1usize..600,
+            op in proptest::sample::select(vec![
+                ReduceOp::Sum, ReduceOp::Avg, ReduceOp::Max, ReduceOp::Min, ReduceOp::Product,
+                ReduceOp::PremulSum(0.37),
+            ]),
+            seed in 0u64..1000,
+        ) {
+            use crate::schedule::harness::Harness;
+            use crate::tensor::HostBuffer;
+            let red = Reduction::new(op, DType::F32).unwrap();
+            let inputs: Vec<Vec<f32>> = (0..2)
+                .map(|r| (0..count).map(|i| ((i * 7 + r * 13 + seed as usize) % 23) as f32 * 0.3 - 2.0).collect())
+                .collect();
+            let bufs = inputs.iter().map(|v| HostBuffer::from_bytes(bytemuck::cast_slice(v))).collect();
+            let sop = ScheduleOp::Allreduce { count };
+            let mut h = Harness::for_op(&sop, 4, PlanOptions::default(), Some(red), bufs, seed).unwrap();
+            proptest::prop_assert_eq!(h.run(), crate::schedule::harness::RunOutcome::Completed);
+            let results = h.into_buffers();
+            for me in 0..2usize {
+                let p = Plan::new(&sop, Rank(me as u32), 2, 4, PlanOptions::default()).unwrap();
+                proptest::prop_assert_eq!(p.single_exchange(), Some((Rank(1 - me as u32), 1)));
+                let mut mine: Vec<u8> = bytemuck::cast_slice(&inputs[me]).to_vec();
+                let mut theirs: Vec<u8> = bytemuck::cast_slice(&inputs[1 - me]).to_vec();
+                red.premultiply(&mut mine).unwrap();
+                red.premultiply(&mut theirs).unwrap();
+                red.combine(&mut mine, &theirs).unwrap();
+                red.finalize(&mut mine, 2).unwrap();
+                proptest::prop_assert_eq!(&mine[..], results[me].0.as_bytes());
+            }
+        }
     }
 
     #[test]

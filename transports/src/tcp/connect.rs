@@ -194,6 +194,7 @@ impl ProcessGroup {
                 polling,
                 progress,
                 looks: std::sync::atomic::AtomicU32::new(0),
+                quick: Default::default(),
             }
         });
         for (peer, stream, rx, index, shm) in attached {

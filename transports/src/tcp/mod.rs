@@ -29,6 +29,7 @@ mod lazy;
 mod link;
 mod monitored;
 mod options;
+mod quick;
 mod rendezvous;
 mod shm;
 #[cfg(test)]
@@ -118,6 +119,8 @@ pub(crate) struct Inner {
     /// Polling threads' looks at the readers, counted to look at shared-memory sockets now and
     /// then only (see [`socket::readable`]).
     looks: std::sync::atomic::AtomicU32,
+    /// Two-rank allreduces run in their submit call (see [`quick`]).
+    quick: quick::Gate,
 }
 
 /// Who waits for a group's works, for its fast connections (see [`socket::FastReader`]):
@@ -631,7 +634,10 @@ impl ProcessGroup {
     /// one rank are reduced together (as Gloo does) and every one receives the result.
     pub fn allreduce(&self, tensors: Vec<Tensor>, op: ReduceOp) -> Result<Work, SubmitError> {
         let c = Collective::new(OpType::Allreduce).inputs(specs(&tensors));
-        self.collective(c, Request::allreduce(tensors, op))
+        match quick::allreduce(&self.inner, c, tensors, op) {
+            Ok(done) => done,
+            Err((c, tensors)) => self.collective(c, Request::allreduce(tensors, op)),
+        }
     }
 
     /// Allreduce tensors of different shapes (one dtype) as one flat buffer.

@@ -102,6 +102,12 @@ pub struct TcpOptions {
     /// least 256 KiB): smaller rings stay in cache (see `shm_ring_bytes`). The segment's
     /// memory is reserved when the pair connects (twice this).
     pub shm_ring_bytes: u64,
+    /// Over shared memory, a two-rank allreduce of up to 4 KiB with nothing else in flight
+    /// runs in its submit call: the submitting thread sends its frame, spins briefly for the
+    /// peer's and reduces it where it lies, under the same bookkeeping as any work; anything
+    /// unusual hands it to the usual path (see `quick.rs`). `COHORT_SHM_QUICK`, default 1 (0
+    /// turns it off).
+    pub shm_quick: bool,
 }
 
 impl Default for TcpOptions {
@@ -126,6 +132,7 @@ impl Default for TcpOptions {
             auth: None,
             shared_memory: true,
             shm_ring_bytes: shm_ring_bytes(1),
+            shm_quick: true,
         }
     }
 }
@@ -229,6 +236,9 @@ impl TcpOptions {
         }
         if let Some(b) = v.flag(env::SHM)? {
             o.shared_memory = b;
+        }
+        if let Some(b) = v.flag(env::SHM_QUICK)? {
+            o.shm_quick = b;
         }
         o.dump_prefix = v.path(env::DUMP_ON_FAILURE);
         o.auth = v.auth_secret()?;

@@ -252,6 +252,29 @@ impl FastReader {
         }
     }
 
+    /// Hold this connection's reading side for a thread that waits for one frame in its
+    /// shared-memory ring: `None` unless its frames come through shared memory, it has not
+    /// ended, no other thread reads it now and its assembler stands between frames with
+    /// nothing buffered (frames read before would come first).
+    pub(crate) fn hold(&self) -> Option<Held<'_>> {
+        let path = self.shm.as_deref()?;
+        if self.ended() {
+            return None;
+        }
+        let asm = self.asm.try_lock().ok()?;
+        if !asm.can_peek() {
+            return None;
+        }
+        let ring = path.incoming.try_lock().ok()?;
+        Some(Held { asm, ring, path })
+    }
+
+    /// Deliver the last word a held ring gave ([`Waited::End`]) as a drain does: the connection
+    /// ends here. Call with no lock of the group's state held.
+    pub(crate) fn finish_held(&self, inner: &Arc<Inner>, last: Inbound, acc: &mut Deferred) {
+        self.end(inner, last, acc);
+    }
+
     /// The peer, if this connection's frames come through shared memory.
     pub(crate) fn shared_memory_peer(&self) -> Option<Rank> {
         self.shm.as_ref()?;
@@ -501,6 +524,80 @@ pub(crate) struct ShmPath {
     space: Mutex<Option<std::task::Waker>>,
     /// The socket has ended; the ring is read to its end before that is delivered.
     eof: AtomicBool,
+}
+
+/// What a thread waiting for one frame found at a shared-memory ring's read position
+/// ([`Held::wait_for`]).
+pub(crate) enum Waited {
+    /// The frame was taken where it lay and its room released.
+    Took,
+    /// Something else lies there (another frame, a frame that wraps around the ring's end), or
+    /// nothing came in time: the usual readers take it from here.
+    Other,
+    /// The connection's last word (a malformed frame, a corrupt ring), to be delivered as a
+    /// drain delivers it ([`FastReader::finish_held`]).
+    End(Inbound),
+}
+
+/// A shared-memory connection's reading side, held by one thread that waits for one frame
+/// ([`FastReader::hold`]): nobody else reads the ring meanwhile.
+pub(crate) struct Held<'a> {
+    asm: std::sync::MutexGuard<'a, Assembler>,
+    ring: std::sync::MutexGuard<'a, Consumer>,
+    path: &'a ShmPath,
+}
+
+impl Held<'_> {
+    /// Spin until `deadline` for a whole data frame at the ring's read position, and offer it
+    /// to `take` where it lies (its header, then its payload, which `take` reads as a peer's
+    /// bytes). The frame is released if `take` says it used it; anything else is left where
+    /// it is for the usual readers. The header passes the decoder's checks first, exactly as a
+    /// drained frame's does.
+    pub(crate) fn wait_for(
+        &mut self,
+        deadline: std::time::Instant,
+        mut take: impl FnMut(&FrameHeader, &[u8]) -> bool,
+    ) -> Waited {
+        let Held { asm, ring, path } = self;
+        let mut looks = 0u32;
+        loop {
+            let found = ring.read_in_place(|bytes| match asm.peek_frame(bytes) {
+                // Bytes, but no whole frame at a frame boundary without wrapping.
+                None if !bytes.is_empty() => (0, Some(Waited::Other)),
+                None => (0, None),
+                Some(Err(last)) => (0, Some(Waited::End(last))),
+                Some(Ok((header, len))) => {
+                    let frame = &bytes[..HEADER_LEN + len];
+                    if header.kind == FrameKind::Data && take(&header, &frame[HEADER_LEN..]) {
+                        (frame.len(), Some(Waited::Took))
+                    } else {
+                        (0, Some(Waited::Other))
+                    }
+                }
+            });
+            match found {
+                Ok(Some(Waited::Took)) => {
+                    if ring.take_space_request() {
+                        path.wire.doorbell();
+                    }
+                    return Waited::Took;
+                }
+                Ok(Some(other)) => return other,
+                Ok(None) => {}
+                Err(e) => {
+                    let from = asm.from();
+                    let reason = format!("{e} (from rank {from}'s shared memory)");
+                    return Waited::End(Inbound::Closed { from, reason, clean: false });
+                }
+            }
+            // The clock costs more than a look at the ring: read it every few looks.
+            looks = looks.wrapping_add(1);
+            if looks.is_multiple_of(64) && std::time::Instant::now() >= deadline {
+                return Waited::Other;
+            }
+            std::hint::spin_loop();
+        }
+    }
 }
 
 /// What [`ShmPath::in_place`] did with the frame at the ring's read position.

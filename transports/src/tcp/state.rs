@@ -22,7 +22,11 @@ use cohort_core::schedule::PlanCache;
 use cohort_core::tensor::Tensor;
 use cohort_core::work::{Blame, GroupId, Rank, SeqNo, WorkId};
 
-use super::collective::CollectiveRun;
+use cohort_core::reduce::{ReduceOp, Reduction};
+use cohort_core::schedule::{PlanOptions, ScheduleOp};
+use cohort_core::work::OpType;
+
+use super::collective::{CollectiveRun, Request};
 use super::link::{Corks, Inbound, LaneRx, LaneTx, Lanes, Outbound, SendMode, Sent};
 use super::tunables::SEND_WINDOW;
 use crate::work::{Work, WorkCompleter};
@@ -264,6 +268,150 @@ impl DriverState {
         self.corking = false;
         effects.rearm_timer = true;
         Ok(work)
+    }
+
+    /// A user's two-rank allreduce of one tensor, to be run in its submit call (see
+    /// `quick.rs`): submitted to the core like any work, launched at once, and its one frame
+    /// sent to `peer`; the caller then waits for the peer's frame itself
+    /// ([`Exchange::take`]) and ends it with [`DriverState::quick_finish`] or, if the frame
+    /// does not come, [`DriverState::quick_hand_off`]. [`QuickStart::No`] gives the request
+    /// back when it cannot run so (other works in flight, frames held, a plan that is not a
+    /// single exchange with `peer`).
+    pub(crate) fn quick_start(
+        &mut self,
+        now: Instant,
+        call: Allreduce,
+        peer: Rank,
+        hook: Option<crate::work::CompletionHook>,
+        effects: &mut Effects,
+    ) -> Result<QuickStart, SubmitError> {
+        let idle = self.plane.is_empty() && self.plane.held() == 0 && self.plane.unwritten() == 0;
+        let Some((reduction, step)) = idle.then(|| self.single_exchange(&call.tensors, call.op, peer)).flatten() else {
+            return Ok(QuickStart::No(call));
+        };
+        let Allreduce { collective, mut tensors, op } = call;
+        let fingerprint =
+            Some(Fingerprint { op: collective.op, dtype: Some(tensors[0].dtype()), root: collective.root });
+        let id = self.group.submit(now, collective)?;
+        let seq = self.group.seq();
+        let (work, completer) = Work::pending(id, seq, OpType::Allreduce, hook);
+        completer.in_group(self.gid, self.me);
+        let taken = Box::new(super::collective::Request::Taken);
+        let pending =
+            Pending { completer, payload: Payload::Collective { request: taken, run: None }, outputs: Vec::new() };
+        self.plane.track(id, fingerprint, pending);
+        effects.rearm_timer = true;
+        // With nothing else in flight the core launches it at once; should it not, the usual
+        // path takes the work.
+        match self.group.poll_launch() {
+            Some(launch) if launch.id == id => self.group.handle_started(now, id),
+            other => {
+                if let Some(p) = self.plane.work_mut(id) {
+                    p.payload = Payload::Collective { request: Box::new(Request::allreduce(tensors, op)), run: None };
+                }
+                if let Some(launch) = other {
+                    self.launch(now, launch, effects);
+                }
+                self.drain(now, effects);
+                return Ok(QuickStart::Done(work));
+            }
+        }
+        let tensor = tensors.pop().expect("one tensor, checked above");
+        let tag = self.plane.tag(id);
+        let mut header = FrameHeader::data(self.gid, seq, step, self.me, tensor.nbytes() as u64);
+        header.tag = tag;
+        let mode = self.mode();
+        let sent = match self.lanes_for(peer).is_some() {
+            false => Sent::Gone,
+            true => {
+                let DriverState { writers, pool, on_written, .. } = &*self;
+                let written = super::link::Written { id, hook: on_written.0.clone() };
+                let lane = writers.get(&peer).and_then(|l| l.lane_for(&header, tensor.nbytes()));
+                lane.map_or(Sent::Gone, |l| {
+                    l.send_slice(header, tensor.bytes(), Some(written), mode, |b| pool.bytes(b))
+                })
+            }
+        };
+        let exchange = Exchange { id, seq, peer, step, tag, gid: self.gid, tensor, reduction, op };
+        match sent {
+            Sent::Written => Ok(QuickStart::Sent(work, exchange)),
+            Sent::Queued => {
+                // It waits for the writer task: the usual path waits for it too.
+                self.count_sent(id, peer, Sent::Queued);
+                self.quick_hand_off(now, exchange, effects);
+                Ok(QuickStart::Done(work))
+            }
+            Sent::Gone => {
+                self.group.handle_completion(now, id, dataplane::link_gone(peer));
+                self.drain(now, effects);
+                Ok(QuickStart::Done(work))
+            }
+        }
+    }
+
+    /// The reduction and step of an allreduce of `tensors` with `op` whose plan is one
+    /// exchange of the whole buffer with `peer`, the only shape [`DriverState::quick_start`]
+    /// runs. PremulSum is left out: its premultiplied input would be premultiplied again if
+    /// the work were handed off.
+    fn single_exchange(&mut self, tensors: &[Tensor], op: ReduceOp, peer: Rank) -> Option<(Reduction, u32)> {
+        let [tensor] = tensors else { return None };
+        if matches!(op, ReduceOp::PremulSum(_)) {
+            return None;
+        }
+        let reduction = Reduction::new(op, tensor.dtype()).ok()?;
+        let world = self.group.config().world_size;
+        let count = tensor.numel();
+        let elem = tensor.dtype().size();
+        let plan =
+            self.plans.plan(&ScheduleOp::Allreduce { count }, self.me, world, elem, PlanOptions::default()).ok()?;
+        let (to, step) = plan.single_exchange()?;
+        (to == peer && plan.data_len() == tensor.nbytes()).then_some((reduction, step))
+    }
+
+    /// The peer's frame was combined into the exchange's tensor ([`Exchange::take`]): finish
+    /// the reduction and end the work as the usual path ends it.
+    pub(crate) fn quick_finish(&mut self, now: Instant, exchange: Exchange, effects: &mut Effects) {
+        let Exchange { id, peer, mut tensor, reduction, .. } = exchange;
+        self.group.handle_peer_activity(now, peer);
+        match reduction.finalize(tensor.bytes_mut(), 2) {
+            Ok(()) => {
+                if let Some(p) = self.plane.work_mut(id) {
+                    p.outputs = vec![tensor];
+                }
+                self.data_done(now, id);
+            }
+            Err(e) => {
+                let message = e.to_string();
+                self.group.handle_completion(now, id, Completion::Failed { rank: None, message });
+            }
+        }
+        self.drain(now, effects);
+    }
+
+    /// The peer's frame did not come in time, or something else came first: the work goes on
+    /// as any running collective whose first frame has gone (timeouts, stuck notes, desync
+    /// checks and failures then apply as to every other).
+    pub(crate) fn quick_hand_off(&mut self, now: Instant, exchange: Exchange, effects: &mut Effects) {
+        let Exchange { id, seq, peer, step, tensor, op, .. } = exchange;
+        let world = self.group.config().world_size;
+        let mut request = Request::allreduce(vec![tensor], op);
+        let started = CollectiveRun::start(&mut request, self.me, world, seq, &mut self.plans).and_then(|mut run| {
+            // The executor's first send is the frame that went already.
+            match run.poll_send() {
+                Some(out) if out.to == peer && out.step == step => Ok(run),
+                other => Err(format!("the run's first send is {other:?}, not the frame to rank {peer} that went")),
+            }
+        });
+        match started {
+            Ok(run) => {
+                if let Some(p) = self.plane.work_mut(id) {
+                    p.payload = Payload::Collective { request: Box::new(Request::Taken), run: Some(Box::new(run)) };
+                }
+                self.begin_run(now, id, seq, effects);
+            }
+            Err(message) => self.group.handle_completion(now, id, Completion::Failed { rank: None, message }),
+        }
+        self.drain(now, effects);
     }
 
     /// A frame from `from`.
@@ -711,32 +859,40 @@ impl DriverState {
                     launch.seq,
                     &mut self.plans,
                 ) {
-                    Ok(r) => {
-                        // Buffers for what it receives (and for the next collective of its
-                        // size, whose chunks may arrive before that one starts here).
-                        let plan = r.plan();
-                        if self.pool.needs_reserve(plan.recv_bytes(), plan.largest_recv()) {
-                            effects.reserve.push((self.pool.clone(), plan.recv_bytes(), plan.largest_recv()));
-                        }
-                        *run = Some(Box::new(r));
-                    }
+                    Ok(r) => *run = Some(Box::new(r)),
                     Err(message) => {
                         self.group.handle_completion(now, id, Completion::Failed { rank: None, message });
                         return;
                     }
                 }
-                // Frames that arrived before this rank started the collective are fed before
-                // asking whether it waits on a closed peer: a peer that sent its part and then
-                // shut down cleanly left everything needed here.
-                let early = self.plane.launch(launch.seq, id);
-                self.after_step(now, id, Ok(()));
-                for frame in early {
-                    self.feed(now, id, launch.seq, frame);
-                }
-                self.plane.launched();
-                self.fail_if_stranded(now, id);
+                self.begin_run(now, id, launch.seq, effects);
             }
         }
+    }
+
+    /// Collective `id` (`seq`) has its run: reserve buffers for what it receives, feed it the
+    /// frames that came before it started, send what it may, and see whether it waits on a
+    /// closed peer.
+    fn begin_run(&mut self, now: Instant, id: WorkId, seq: SeqNo, effects: &mut Effects) {
+        let Some(Pending { payload: Payload::Collective { run: Some(run), .. }, .. }) = self.plane.work(id) else {
+            return;
+        };
+        // Buffers for what it receives (and for the next collective of its size, whose chunks
+        // may arrive before that one starts here).
+        let plan = run.plan();
+        if self.pool.needs_reserve(plan.recv_bytes(), plan.largest_recv()) {
+            effects.reserve.push((self.pool.clone(), plan.recv_bytes(), plan.largest_recv()));
+        }
+        // Frames that arrived before this rank started the collective are fed before asking
+        // whether it waits on a closed peer: a peer that sent its part and then shut down
+        // cleanly left everything needed here.
+        let early = self.plane.launch(seq, id);
+        self.after_step(now, id, Ok(()));
+        for frame in early {
+            self.feed(now, id, seq, frame);
+        }
+        self.plane.launched();
+        self.fail_if_stranded(now, id);
     }
 
     fn handle_event(&mut self, event: Event, effects: &mut Effects) {
@@ -765,6 +921,53 @@ impl DriverState {
             Event::TearDown { cause } => effects.tear_down = Some(cause),
             _ => {}
         }
+    }
+}
+
+/// How [`DriverState::quick_start`] went.
+pub(crate) enum QuickStart {
+    /// It cannot run in its submit call: submit it the usual way.
+    No(Allreduce),
+    /// The work is on the usual path already (or ended: its link is gone).
+    Done(Work),
+    /// Its frame went: wait for the peer's.
+    Sent(Work, Exchange),
+}
+
+/// A user's allreduce, as [`DriverState::quick_start`] takes it and gives it back.
+pub(crate) struct Allreduce {
+    pub(crate) collective: Collective,
+    pub(crate) tensors: Vec<Tensor>,
+    pub(crate) op: ReduceOp,
+}
+
+/// A two-rank allreduce whose frame went, waiting for the peer's ([`DriverState::quick_start`]).
+pub(crate) struct Exchange {
+    id: WorkId,
+    seq: SeqNo,
+    peer: Rank,
+    step: u32,
+    tag: u32,
+    gid: GroupId,
+    tensor: Tensor,
+    reduction: Reduction,
+    op: ReduceOp,
+}
+
+impl Exchange {
+    /// Offer the frame at the peer's ring's read position: if it is the peer's part of this
+    /// collective (the same group, sequence number, step and fingerprint tag, and as many bytes
+    /// as this rank's), it is combined into the tensor and `true` comes back. Anything else is
+    /// left for the usual path, which judges it as it judges every frame.
+    pub(crate) fn take(&mut self, header: &FrameHeader, payload: &[u8]) -> bool {
+        header.kind == FrameKind::Data
+            && header.group == self.gid
+            && header.source == self.peer
+            && header.seq == self.seq
+            && header.step == self.step
+            && header.tag == self.tag
+            && payload.len() == self.tensor.nbytes()
+            && self.reduction.combine(self.tensor.bytes_mut(), payload).is_ok()
     }
 }
 

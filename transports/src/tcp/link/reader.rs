@@ -130,6 +130,12 @@ impl Assembler {
         }
     }
 
+    /// Whether [`Assembler::peek_frame`] may take a frame (see core's
+    /// [`FrameDecoder::can_peek`]).
+    pub(crate) fn can_peek(&self) -> bool {
+        !self.ended && self.decoder.can_peek()
+    }
+
     /// Hand the decoder `bytes` through its own read path (frames they complete are then
     /// polled as usual).
     pub(crate) fn handle_bytes(&mut self, bytes: &[u8]) {

@@ -1,0 +1,350 @@
+//! A two-rank allreduce over shared memory that ends inside its submit call.
+//!
+//! # Why
+//!
+//! A 4-byte allreduce between two ranks of one host is an exchange of one small frame each
+//! way. On the usual path the submit builds an executor for the plan and returns; the waiting
+//! thread then polls the group's readers, the reader's drain finds the peer's frame in the
+//! ring, and the data plane feeds it to the executor, which reduces, finishes and ends the
+//! work. Each layer is cheap, but together they are most of a small work's cost
+//! (`docs/performance.md`, "A small work's cost in instructions").
+//!
+//! # What it does
+//!
+//! When the group has two ranks, the peer's frames come through shared memory, nothing else
+//! is in flight or held, and the plan is a single exchange of the whole buffer
+//! ([`Plan::single_exchange`](cohort_core::schedule::Plan::single_exchange)), the submitting
+//! thread:
+//!
+//! 1. holds the peer's reading side (no other thread reads the ring meanwhile), then the
+//!    group's state, in the order a drain takes them;
+//! 2. submits the work to the core like any other (sequence number, flight-recorder entry,
+//!    timers, desync signature), and sends its frame as the executor would;
+//! 3. spins on the ring for up to [`QUICK_WAIT`] for the peer's frame, checks that it is this
+//!    collective's (group, sequence number, step, fingerprint tag, length), combines it into
+//!    the tensor where it lies and finalizes (the executor's order: see the core's property
+//!    test), and ends the work as the usual path ends it.
+//!
+//! Anything else goes to the one state machine: a frame that does not come in time, or any
+//! other frame at the read position, hands the work off as a running collective whose first
+//! frame has gone ([`DriverState::quick_hand_off`](super::state::DriverState::quick_hand_off));
+//! the usual readers then read what is there and the data plane judges it as it judges every
+//! frame (a desync, a stale frame, the connection's end). Timeouts, stuck notes, heartbeats
+//! and failure detection are the usual path's: a work ended here ended within microseconds.
+//!
+//! A peer that is late more than once in a row (busy, or on a crowded host where the two
+//! ranks share a core, so that spinning only delays it) makes the next collectives skip this
+//! path, for longer each time ([`Gate`]). `COHORT_SHM_QUICK=0` turns it off.
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
+use std::time::Duration;
+
+use cohort_core::group::{Collective, SubmitError};
+use cohort_core::reduce::ReduceOp;
+use cohort_core::tensor::Tensor;
+use cohort_core::work::Rank;
+
+use super::socket::Waited;
+use super::state::{Allreduce, QuickStart};
+use super::{Deferred, Inner};
+use crate::work::Work;
+
+/// How long the submitting thread spins for the peer's frame before handing the work to the
+/// usual path. Two ranks in step send within a microsecond or two of each other; a peer
+/// later than this is computing, descheduled, or gone, and the usual path's polling (which
+/// yields its core) serves that better.
+pub(crate) const QUICK_WAIT: Duration = Duration::from_micros(20);
+
+/// The largest tensor this path takes, in bytes: a small collective's, whose cost is the
+/// bookkeeping around it (larger ones are dominated by the copy and the reduction).
+pub(crate) const QUICK_MAX_BYTES: usize = 4096;
+
+/// Collectives skipped after the first hand-off in a row; each further one in a row doubles
+/// it, up to [`MAX_SKIP_SHIFT`] doublings.
+const SKIP_AFTER_HAND_OFF: u32 = 16;
+const MAX_SKIP_SHIFT: u32 = 8;
+
+/// When a group tries this path, and what came of it.
+#[derive(Debug, Default)]
+pub(crate) struct Gate {
+    /// Collectives still to skip.
+    skip: AtomicU32,
+    /// Hand-offs in a row.
+    late: AtomicU32,
+    /// Works ended in their submit call.
+    pub(crate) ended: AtomicU64,
+    /// Works handed to the usual path after their frame went.
+    pub(crate) handed_off: AtomicU64,
+}
+
+impl Gate {
+    /// Whether to skip this collective (counting it).
+    fn skip(&self) -> bool {
+        let left = self.skip.load(Ordering::Relaxed);
+        if left == 0 {
+            return false;
+        }
+        self.skip.store(left - 1, Ordering::Relaxed);
+        true
+    }
+
+    fn took(&self) {
+        self.late.store(0, Ordering::Relaxed);
+        self.ended.fetch_add(1, Ordering::Relaxed);
+    }
+
+    fn handed_off(&self) {
+        let late = self.late.load(Ordering::Relaxed);
+        self.late.store(late.saturating_add(1), Ordering::Relaxed);
+        self.skip.store(SKIP_AFTER_HAND_OFF << late.min(MAX_SKIP_SHIFT), Ordering::Relaxed);
+        self.handed_off.fetch_add(1, Ordering::Relaxed);
+    }
+}
+
+/// Run `tensors`' allreduce in this call if it may (see the module docs); otherwise give the
+/// collective and the tensors back for the usual submit.
+#[allow(clippy::result_large_err)] // the `Err` side hands the caller's own arguments back
+pub(super) fn allreduce(
+    inner: &Arc<Inner>,
+    collective: Collective,
+    tensors: Vec<Tensor>,
+    op: ReduceOp,
+) -> Result<Result<Work, SubmitError>, (Collective, Vec<Tensor>)> {
+    let small = matches!(&tensors[..], [t] if t.nbytes() <= QUICK_MAX_BYTES);
+    if !small || inner.world_size != 2 || !inner.opts.shm_quick || inner.opts.busy_poll.is_zero() || inner.quick.skip()
+    {
+        return Err((collective, tensors));
+    }
+    let peer = Rank(1 - inner.rank.0);
+    let reader = {
+        let readers = inner.readers.read().unwrap_or_else(|p| p.into_inner());
+        readers.iter().find(|r| r.shared_memory_peer() == Some(peer)).cloned()
+    };
+    let Some(reader) = reader else { return Err((collective, tensors)) };
+    let Some(mut held) = reader.hold() else { return Err((collective, tensors)) };
+    let hook = inner.hook.read().unwrap_or_else(|p| p.into_inner()).clone();
+    let mut acc = Deferred::default();
+    let outcome = inner.input_into(&mut acc, |st, fx| {
+        let call = Allreduce { collective, tensors, op };
+        let started = super::now();
+        let (work, mut exchange) = match st.quick_start(started, call, peer, hook, fx) {
+            Err(e) => return Ok((Err(e), None)),
+            Ok(QuickStart::No(call)) => return Err((call.collective, call.tensors)),
+            Ok(QuickStart::Done(work)) => return Ok((Ok(work), None)),
+            Ok(QuickStart::Sent(work, exchange)) => (work, exchange),
+        };
+        let deadline = started + QUICK_WAIT;
+        let last = match held.wait_for(deadline, |header, payload| exchange.take(header, payload)) {
+            Waited::Took => {
+                st.quick_finish(super::now(), exchange, fx);
+                inner.quick.took();
+                None
+            }
+            Waited::Other => {
+                st.quick_hand_off(super::now(), exchange, fx);
+                inner.quick.handed_off();
+                None
+            }
+            Waited::End(last) => {
+                st.quick_hand_off(super::now(), exchange, fx);
+                inner.quick.handed_off();
+                Some(last)
+            }
+        };
+        Ok((Ok(work), last))
+    });
+    drop(held);
+    let (work, last) = match outcome {
+        Ok(done) => done,
+        Err(back) => {
+            // Nothing happened under the lock: the usual submit takes it from the start.
+            inner.finish_inputs(acc);
+            return Err(back);
+        }
+    };
+    if let Some(last) = last {
+        reader.finish_held(inner, last, &mut acc);
+    }
+    inner.finish_inputs(acc);
+    Ok(work.inspect(|w| w.set_progress(inner.progress.clone(), true)))
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::Arc;
+    use std::sync::atomic::Ordering;
+    use std::time::Duration;
+
+    use cohort_core::{DType, ReduceOp, Tensor};
+
+    use crate::{MemoryStore, ProcessGroup, Store, TcpOptions, TokioNet};
+
+    fn runtime() -> tokio::runtime::Runtime {
+        tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().unwrap()
+    }
+
+    fn opts(quick: bool) -> TcpOptions {
+        TcpOptions { timeout: Duration::from_secs(20), shm_quick: quick, ..TcpOptions::default() }
+    }
+
+    /// Two ranks of this process, rank `r` with `per_rank[r]`; they share memory.
+    fn pair(rt: &tokio::runtime::Runtime, per_rank: [TcpOptions; 2]) -> Vec<ProcessGroup> {
+        let store: Arc<dyn Store> = Arc::new(MemoryStore::new());
+        let pgs: Vec<ProcessGroup> = rt.block_on(async {
+            let joins: Vec<_> = per_rank
+                .into_iter()
+                .enumerate()
+                .map(|(r, o)| {
+                    let store = store.clone();
+                    tokio::spawn(async move { ProcessGroup::connect(TokioNet, store, r as u32, 2, o).await })
+                })
+                .collect();
+            let mut out = Vec::new();
+            for j in joins {
+                out.push(j.await.unwrap().expect("connect"));
+            }
+            out
+        });
+        for pg in &pgs {
+            assert_eq!(pg.shared_memory_peers().len(), 1, "the two ranks share memory");
+        }
+        pgs
+    }
+
+    /// Run `f(rank's group)` on a thread per rank; their outputs, by rank.
+    fn on_each<T: Send + 'static>(
+        pgs: Vec<ProcessGroup>,
+        f: impl Fn(ProcessGroup) -> T + Send + Sync + Clone + 'static,
+    ) -> Vec<T> {
+        let threads: Vec<_> = pgs
+            .into_iter()
+            .map(|pg| {
+                let f = f.clone();
+                std::thread::spawn(move || f(pg))
+            })
+            .collect();
+        threads.into_iter().map(|t| t.join().expect("a rank thread")).collect()
+    }
+
+    /// Rank `me`'s input of iteration `i`: `n` elements of `dtype`.
+    fn input(me: u32, i: usize, n: usize, dtype: DType) -> Tensor {
+        let v: Vec<f64> = (0..n).map(|j| ((i * 7 + j * 3 + me as usize * 5) % 11) as f64 - 3.0).collect();
+        Tensor::from_f64s(dtype, &v)
+    }
+
+    /// What a two-rank allreduce with `op` gives for iteration `i`.
+    fn expected(op: ReduceOp, i: usize, n: usize, dtype: DType) -> Vec<f64> {
+        let (a, b) = (input(0, i, n, dtype).to_f64s(), input(1, i, n, dtype).to_f64s());
+        a.iter()
+            .zip(&b)
+            .map(|(&x, &y)| match op {
+                ReduceOp::Sum => x + y,
+                ReduceOp::Avg if dtype.is_floating_point() => (x + y) / 2.0,
+                ReduceOp::Avg => ((x + y) as i64 / 2) as f64,
+                ReduceOp::Max => x.max(y),
+                ReduceOp::Min => x.min(y),
+                ReduceOp::Product => x * y,
+                _ => unreachable!("not used here"),
+            })
+            .collect()
+    }
+
+    const CASES: [(ReduceOp, DType, usize); 6] = [
+        (ReduceOp::Sum, DType::F32, 1),
+        (ReduceOp::Avg, DType::F32, 7),
+        (ReduceOp::Max, DType::I32, 64),
+        (ReduceOp::Min, DType::F64, 3),
+        (ReduceOp::Product, DType::I64, 5),
+        (ReduceOp::Avg, DType::I32, 1024),
+    ];
+
+    /// Allreduces of every case, `iters` rounds, each result checked; before each, `pause(rank,
+    /// round)` (a late rank). The group's gate is reset before each collective, so that every
+    /// one may try the path.
+    fn rounds(pgs: Vec<ProcessGroup>, iters: usize, pause: fn(u32, usize) -> Duration) -> Vec<(u64, u64)> {
+        on_each(pgs, move |pg| {
+            let me = pg.rank().0;
+            for i in 0..iters {
+                for (k, &(op, dtype, n)) in CASES.iter().enumerate() {
+                    std::thread::sleep(pause(me, i * CASES.len() + k));
+                    pg.inner.quick.skip.store(0, Ordering::Relaxed);
+                    let out = pg.allreduce(vec![input(me, i, n, dtype)], op).unwrap().result().unwrap();
+                    assert_eq!(out[0].dtype(), dtype);
+                    assert_eq!(out[0].to_f64s(), expected(op, i, n, dtype), "rank {me}, round {i}, {op:?} {dtype}");
+                }
+            }
+            let gate = &pg.inner.quick;
+            let counts = (gate.ended.load(Ordering::Relaxed), gate.handed_off.load(Ordering::Relaxed));
+            pg.shutdown();
+            counts
+        })
+    }
+
+    #[test]
+    fn small_allreduces_between_two_ranks_end_in_their_submit_call_with_the_usual_result() {
+        let rt = runtime();
+        let counts = rounds(pair(&rt, [opts(true), opts(true)]), 300, |_, _| Duration::ZERO);
+        for (rank, (ended, handed_off)) in counts.into_iter().enumerate() {
+            // Some find the ring read by another thread, or the peer's frame read already.
+            assert!(ended + handed_off <= 1800);
+            eprintln!("rank {rank}: {ended} ended in their submit call, {handed_off} handed off");
+            // Two threads in step meet within the wait almost every time; on a crowded machine
+            // some are handed off, but not all of 1,800.
+            assert!(ended > 0, "rank {rank}: none of 1,800 allreduces ended in its submit call");
+        }
+    }
+
+    #[test]
+    fn a_late_peer_gets_the_work_handed_to_the_usual_path_with_the_same_result() {
+        let rt = runtime();
+        // Rank 1 is 30 ms late for every other collective.
+        let late =
+            |me: u32, k: usize| if me == 1 && k.is_multiple_of(2) { Duration::from_millis(30) } else { Duration::ZERO };
+        let counts = rounds(pair(&rt, [opts(true), opts(true)]), 2, late);
+        assert!(counts[0].1 >= 6, "rank 0 handed off {} of the 6 works its peer was late for", counts[0].1);
+    }
+
+    #[test]
+    fn a_rank_with_the_path_turned_off_meets_one_with_it_on() {
+        let rt = runtime();
+        let pause =
+            |me: u32, k: usize| Duration::from_micros(if (k + me as usize).is_multiple_of(5) { 300 } else { 0 });
+        let counts = rounds(pair(&rt, [opts(true), opts(false)]), 40, pause);
+        assert_eq!(counts[1], (0, 0), "rank 1 has it off");
+    }
+
+    /// The error each rank's work ends with when the two ranks disagree, or when rank 1 has
+    /// left: what the usual path says, with or without this one.
+    fn failures(quick: bool, leave: bool) -> Vec<String> {
+        let rt = runtime();
+        let pgs = pair(&rt, [opts(quick), opts(quick)]);
+        on_each(pgs, move |pg| {
+            let me = pg.rank().0;
+            if leave && me == 1 {
+                pg.shutdown();
+                return String::new();
+            }
+            if leave {
+                std::thread::sleep(Duration::from_millis(200));
+            }
+            // Rank 1 passes twice as many elements.
+            let t = input(me, 0, 4 * (me as usize + 1), DType::F32);
+            let e = pg.allreduce(vec![t], ReduceOp::Sum).unwrap().result().unwrap_err();
+            pg.shutdown();
+            e.to_string()
+        })
+    }
+
+    #[test]
+    fn a_desync_is_judged_as_without_the_path() {
+        assert_eq!(failures(true, false), failures(false, false));
+    }
+
+    #[test]
+    fn a_departed_peer_is_named_as_without_the_path() {
+        let with = failures(true, true);
+        assert!(with[0].contains("rank 1"), "{}", with[0]);
+        assert_eq!(with, failures(false, true));
+    }
+}
