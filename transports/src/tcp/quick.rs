@@ -125,7 +125,7 @@ pub(super) fn allreduce(
     let Some(mut held) = reader.hold() else { return Err((collective, tensors)) };
     let hook = inner.hook.read().unwrap_or_else(|p| p.into_inner()).clone();
     let mut acc = Deferred::default();
-    let mut took = false;
+    let mut took = None;
     let outcome = inner.input_into(&mut acc, |st, fx| {
         let call = Allreduce { collective, tensors, op };
         let started = super::now();
@@ -140,7 +140,7 @@ pub(super) fn allreduce(
             Waited::Took => {
                 st.quick_finish(super::now(), exchange, fx);
                 inner.quick.took();
-                took = true;
+                took = Some(started);
                 None
             }
             Waited::Other => {
@@ -157,12 +157,12 @@ pub(super) fn allreduce(
         Ok((Ok(work), last))
     });
     drop(held);
-    if took {
+    if let Some(at) = took {
         // This thread read the ring for its work as a polling thread does: the reader tasks
         // may leave their wake-ups off for a while, as after a polled work. Otherwise one that
         // re-armed finds the peer's next frame waiting, wakes, and waits for this thread's
         // hold on the ring, at every work.
-        inner.polls().last_finished = Some(std::time::Instant::now());
+        inner.polls().last_finished = Some(at);
     }
     let (work, last) = match outcome {
         Ok(done) => done,

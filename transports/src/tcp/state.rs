@@ -100,6 +100,10 @@ pub(crate) struct DriverState {
     plane: DataPlane<Pending, Vec<u8>>,
     /// Plans of the collectives run so far, reused by later runs of the same ones.
     plans: PlanCache,
+    /// The last allreduce [`DriverState::single_exchange`] looked at, by element count and
+    /// size, and its plan's single exchange: a loop of one small allreduce asks for the same
+    /// plan at every work.
+    last_exchange: Option<(usize, usize, Option<(Rank, u32)>)>,
     /// p2p matching: posted receives, and payloads nobody has asked for yet.
     p2p: Matcher<WorkId>,
     /// The ranks a running collective waits for, as last asked (one allocation for every ask).
@@ -151,6 +155,7 @@ impl DriverState {
             writers,
             plane: DataPlane::new(SEND_WINDOW),
             plans: PlanCache::default(),
+            last_exchange: None,
             p2p: Matcher::new(),
             waiting_scratch: Vec::new(),
             unwritten_total: Default::default(),
@@ -359,13 +364,21 @@ impl DriverState {
             return None;
         }
         let reduction = Reduction::new(op, tensor.dtype()).ok()?;
-        let world = self.group.config().world_size;
         let count = tensor.numel();
         let elem = tensor.dtype().size();
-        let plan =
-            self.plans.plan(&ScheduleOp::Allreduce { count }, self.me, world, elem, PlanOptions::default()).ok()?;
-        let (to, step) = plan.single_exchange()?;
-        (to == peer && plan.data_len() == tensor.nbytes()).then_some((reduction, step))
+        let shape = match self.last_exchange {
+            Some((c, e, shape)) if (c, e) == (count, elem) => shape,
+            _ => {
+                let world = self.group.config().world_size;
+                let op = ScheduleOp::Allreduce { count };
+                let plan = self.plans.plan(&op, self.me, world, elem, PlanOptions::default()).ok()?;
+                let shape = plan.single_exchange().filter(|_| plan.data_len() == tensor.nbytes());
+                self.last_exchange = Some((count, elem, shape));
+                shape
+            }
+        };
+        let (to, step) = shape?;
+        (to == peer).then_some((reduction, step))
     }
 
     /// The peer's frame was combined into the exchange's tensor ([`Exchange::take`]): finish
