@@ -362,7 +362,9 @@ impl Producer {
             let n = buf.len().min(room);
             let mut done = 0;
             while done < n {
-                let at = (pos % cap as u64) as usize;
+                // The capacity is a power of two (`segment_len` refuses any other): a
+                // position's offset is its low bits, without a division.
+                let at = (pos & (cap as u64 - 1)) as usize;
                 let run = (n - done).min(cap - at);
                 // SAFETY: `at + run <= cap`, inside this ring's data area; the bytes from `pos`
                 // to `head + cap` belong to the producer until it publishes `tail`.
@@ -435,7 +437,7 @@ impl Consumer {
         let data = self.seg.data(self.dir);
         let mut done = 0;
         while done < n {
-            let at = ((self.head + done as u64) % cap as u64) as usize;
+            let at = ((self.head + done as u64) & (cap as u64 - 1)) as usize;
             let run = (n - done).min(cap - at);
             // SAFETY: `at + run <= cap`, inside this ring's data area; the bytes from `head` to
             // `tail` belong to the consumer until it publishes `head`. A hostile writer may
@@ -462,7 +464,7 @@ impl Consumer {
     pub fn read_in_place<R>(&mut self, f: impl FnOnce(&[u8]) -> (usize, R)) -> Result<R, ShmError> {
         let waiting = self.available()?;
         let cap = self.seg.capacity as usize;
-        let at = (self.head % cap as u64) as usize;
+        let at = (self.head & (cap as u64 - 1)) as usize;
         let run = waiting.min(cap - at);
         // SAFETY: `at + run <= cap`, inside this ring's data area; the bytes from `head` to
         // `tail` belong to the consumer until it publishes `head`, which happens only below,

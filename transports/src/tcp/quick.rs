@@ -135,7 +135,8 @@ pub(super) fn allreduce(
             Ok(QuickStart::Done(work)) => return Ok((Ok(work), None)),
             Ok(QuickStart::Sent(work, exchange)) => (work, exchange),
         };
-        let deadline = started + QUICK_WAIT;
+        // The wall clock, not the runtime's: a paused runtime clock may stand anywhere.
+        let deadline = std::time::Instant::now() + QUICK_WAIT;
         let last = match held.wait_for(deadline, |header, payload| exchange.take(header, payload)) {
             Waited::Took => {
                 st.quick_finish(super::now(), exchange, fx);
