@@ -16,8 +16,10 @@
 //! ([`Plan::single_exchange`](cohort_core::schedule::Plan::single_exchange)), the submitting
 //! thread:
 //!
-//! 1. holds the peer's reading side (no other thread reads the ring meanwhile), then the
-//!    group's state, in the order a drain takes them;
+//! 1. holds the group's state, then, if no other thread reads the peer's ring now, the peer's
+//!    reading side (a drain takes them the other way round, so this thread only tries for
+//!    it; a collective that cannot take this path is submitted the usual way under the same
+//!    hold of the state);
 //! 2. submits the work to the core like any other (sequence number, flight-recorder entry,
 //!    timers, desync signature), and sends its frame as the executor would;
 //! 3. spins on the ring for up to [`QUICK_WAIT`] for the peer's frame, checks that it is this
@@ -45,8 +47,9 @@ use cohort_core::reduce::ReduceOp;
 use cohort_core::tensor::Tensor;
 use cohort_core::work::Rank;
 
+use super::collective::Request;
 use super::socket::Waited;
-use super::state::{Allreduce, QuickStart};
+use super::state::{Allreduce, Payload, QuickStart};
 use super::{Deferred, Inner};
 use crate::work::Work;
 
@@ -102,8 +105,9 @@ impl Gate {
     }
 }
 
-/// Run `tensors`' allreduce in this call if it may (see the module docs); otherwise give the
-/// collective and the tensors back for the usual submit.
+/// Submit `tensors`' allreduce, running it in this call if it may (see the module docs), else
+/// the usual way under the same hold of the group's state; or give the collective and the
+/// tensors back at once when the group cannot take this path at all.
 #[allow(clippy::result_large_err)] // the `Err` side hands the caller's own arguments back
 pub(super) fn allreduce(
     inner: &Arc<Inner>,
@@ -122,17 +126,26 @@ pub(super) fn allreduce(
         readers.iter().find(|r| r.shared_memory_peer() == Some(peer)).cloned()
     };
     let Some(reader) = reader else { return Err((collective, tensors)) };
-    let Some(mut held) = reader.hold() else { return Err((collective, tensors)) };
     let hook = inner.hook.read().unwrap_or_else(|p| p.into_inner()).clone();
     let mut acc = Deferred::default();
     let mut took = None;
-    let outcome = inner.input_into(&mut acc, |st, fx| {
+    // The group's state first, then the peer's reading side if nobody else reads it: a
+    // drain takes them the other way round, so this thread only tries for the reading side
+    // and never waits for it while it holds the state.
+    let (work, last) = inner.input_into(&mut acc, |st, fx| {
         let call = Allreduce { collective, tensors, op };
+        let (plan, mut held) = match st.quick_plan(&call.tensors, op, peer).zip(reader.hold()) {
+            Some(ready) => ready,
+            None => {
+                let request = Box::new(Request::allreduce(call.tensors, op));
+                let payload = Payload::Collective { request, run: None };
+                return (st.submit(super::now(), call.collective, payload, hook, fx), None);
+            }
+        };
         let started = super::now();
-        let (work, mut exchange) = match st.quick_start(started, call, peer, hook, fx) {
-            Err(e) => return Ok((Err(e), None)),
-            Ok(QuickStart::No(call)) => return Err((call.collective, call.tensors)),
-            Ok(QuickStart::Done(work)) => return Ok((Ok(work), None)),
+        let (work, mut exchange) = match st.quick_start(started, call, plan, hook, fx) {
+            Err(e) => return (Err(e), None),
+            Ok(QuickStart::Done(work)) => return (Ok(work), None),
             Ok(QuickStart::Sent(work, exchange)) => (work, exchange),
         };
         // The wall clock, not the runtime's: a paused runtime clock may stand anywhere.
@@ -155,9 +168,8 @@ pub(super) fn allreduce(
                 Some(last)
             }
         };
-        Ok((Ok(work), last))
+        (Ok(work), last)
     });
-    drop(held);
     if let Some(at) = took {
         // This thread read the ring for its work as a polling thread does: the reader tasks
         // may leave their wake-ups off for a while, as after a polled work. Otherwise one that
@@ -165,18 +177,11 @@ pub(super) fn allreduce(
         // hold on the ring, at every work.
         inner.polls().last_finished = Some(at);
     }
-    let (work, last) = match outcome {
-        Ok(done) => done,
-        Err(back) => {
-            // Nothing happened under the lock: the usual submit takes it from the start.
-            inner.finish_inputs(acc);
-            return Err(back);
-        }
-    };
     if let Some(last) = last {
         reader.finish_held(inner, last, &mut acc);
     }
     inner.finish_inputs(acc);
+    // As the usual submit sets it for a work this small on a group with fast readers.
     Ok(work.inspect(|w| w.set_progress(inner.progress.clone(), true)))
 }
 

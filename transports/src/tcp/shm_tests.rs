@@ -3,6 +3,7 @@
 //! `transports/tests/tcp_shm.rs`).
 
 use std::sync::Arc;
+use std::time::Duration;
 
 use cohort_core::protocol::{Frame, FrameHeader, FrameKind};
 use cohort_core::shm::{Direction, Segment, SegmentHeader};
@@ -10,7 +11,7 @@ use cohort_core::{GroupId, Rank, SeqNo};
 
 use super::link::{Assembler, BufferPool, CloseTally, Inbound};
 use super::shm::ShmLink;
-use super::socket::{FastReader, InPlace, ShmPath, ShmStep, readable};
+use super::socket::{FastReader, InPlace, ShmPath, ShmStep, Waited, readable};
 
 #[test]
 fn a_ring_position_the_peer_corrupted_closes_the_connection_naming_it() {
@@ -143,4 +144,103 @@ async fn a_shared_memory_peers_other_connections_are_asked_about_only_with_the_s
     assert_eq!(seldom, [false, false, false, true], "between socket looks only rank 5's plain connection is asked");
     let all: Vec<bool> = readable(&readers, true).collect();
     assert_eq!(all, [true, false, true, true], "a socket look asks every connection");
+}
+
+/// [`fast_reader`] over shared memory, with the segment, to play the peer's side of its ring.
+async fn shm_reader(peer: Rank) -> (Arc<FastReader>, Segment, std::net::TcpStream) {
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let theirs = tokio::net::TcpStream::connect(listener.local_addr().unwrap()).await.unwrap();
+    let (ours, _) = listener.accept().await.unwrap();
+    let fast = Arc::new(super::socket::take(ours).map_err(|(e, _)| e).unwrap());
+    let seg = Segment::in_heap(4096).unwrap();
+    seg.init(&SegmentHeader { nonce: 1, capacity: 4096, creator: Rank(0), acceptor: peer, group: GroupId(0) });
+    let path = ShmPath::new(&ShmLink { segment: seg.clone(), creator: true }, fast.std());
+    let asm = Assembler::new(peer, cohort_core::protocol::FrameLimits::new(1 << 20), BufferPool::with_limit(0));
+    let tally = Arc::new(CloseTally::new(2));
+    (Arc::new(FastReader::new(fast, asm, tally, false, Some(path))), seg, theirs.into_std().unwrap())
+}
+
+/// Hold `reader`'s ring and wait up to `within` for a frame `take` wants; what came of it, and
+/// whether it came back before the deadline.
+fn wait(reader: &FastReader, within: Duration, take: impl FnMut(&FrameHeader, &[u8]) -> bool) -> (Waited, bool) {
+    let mut held = reader.hold().expect("nobody else reads the ring");
+    let deadline = std::time::Instant::now() + within;
+    let waited = held.wait_for(deadline, take);
+    (waited, std::time::Instant::now() < deadline)
+}
+
+#[tokio::test]
+async fn a_held_ring_gives_a_data_frame_to_a_taker_that_wants_it_and_leaves_anything_else() {
+    let (reader, seg, _theirs) = shm_reader(Rank(3)).await;
+    let mut peer = seg.producer(Direction::FromAcceptor);
+    let long = Duration::from_secs(5);
+    // Nothing comes: the wait ends at its deadline.
+    let (waited, early) = wait(&reader, Duration::from_millis(5), |_, _| panic!("nothing is there"));
+    assert!(matches!(waited, Waited::Other) && !early);
+    // A data frame the taker refuses stays where it lies: offered again, it is taken.
+    peer.write([&data_frame(1, &[7; 100])[..]]).unwrap();
+    let (waited, early) = wait(&reader, long, |h, _| {
+        assert_eq!(h.seq, SeqNo(1));
+        false
+    });
+    assert!(matches!(waited, Waited::Other) && early);
+    let mut seen = Vec::new();
+    let (waited, _) = wait(&reader, long, |h, payload| {
+        seen.push((h.seq, payload.to_vec()));
+        true
+    });
+    assert!(matches!(waited, Waited::Took));
+    assert_eq!(seen, vec![(SeqNo(1), vec![7; 100])]);
+    // Its room was released: the ring is empty again.
+    let (waited, early) = wait(&reader, Duration::from_millis(5), |_, _| panic!("taken already"));
+    assert!(matches!(waited, Waited::Other) && !early);
+    // A heartbeat is never offered, and stays (every look finds it at once).
+    let heartbeat = Frame { header: FrameHeader::heartbeat(Rank(3)), payload: Vec::new() }.encode();
+    peer.write([&heartbeat[..], &data_frame(2, &[1; 8])[..]]).unwrap();
+    for _ in 0..2 {
+        let (waited, early) = wait(&reader, long, |_, _| panic!("not offered: a heartbeat comes first"));
+        assert!(matches!(waited, Waited::Other) && early);
+    }
+}
+
+#[tokio::test]
+async fn a_held_ring_hands_over_a_frame_that_wraps_and_ends_on_a_lie_or_a_corrupt_position() {
+    let (reader, seg, _theirs) = shm_reader(Rank(3)).await;
+    let mut peer = seg.producer(Direction::FromAcceptor);
+    let long = Duration::from_secs(5);
+    // Small frames until the next one would cross the ring's end (4,096 bytes).
+    let frame = data_frame(1, &[0; 4]);
+    assert_ne!(4096 % frame.len(), 0, "a frame must straddle the end");
+    let mut written = 0;
+    while written + frame.len() <= 4096 {
+        peer.write([&frame[..]]).unwrap();
+        written += frame.len();
+        let (waited, _) = wait(&reader, long, |_, _| true);
+        assert!(matches!(waited, Waited::Took));
+    }
+    peer.write([&data_frame(2, &[0; 4])[..]]).unwrap();
+    let (waited, early) = wait(&reader, long, |_, _| panic!("a wrapping frame is not offered"));
+    assert!(matches!(waited, Waited::Other) && early, "left to the usual readers");
+
+    let (reader, seg, _theirs) = shm_reader(Rank(3)).await;
+    let header = FrameHeader::data(GroupId(0), SeqNo(1), 0, Rank(2), 4);
+    seg.producer(Direction::FromAcceptor).write([&Frame { header, payload: vec![0; 4] }.encode()[..]]).unwrap();
+    match wait(&reader, long, |_, _| panic!("refused before it is offered")).0 {
+        Waited::End(Inbound::Closed { from, reason, clean }) => {
+            assert_eq!((from, clean), (Rank(3), false));
+            assert_eq!(reason, "frame on rank 3's connection claims to come from rank 2");
+        }
+        _ => panic!("a frame naming another sender must end the connection"),
+    }
+    assert!(reader.hold().is_none(), "after its last word the connection is not held again");
+
+    let (reader, seg, _theirs) = shm_reader(Rank(3)).await;
+    seg.scribble(Direction::FromAcceptor, 0, 5000);
+    match wait(&reader, long, |_, _| panic!("nothing to offer")).0 {
+        Waited::End(Inbound::Closed { from, reason, .. }) => {
+            assert_eq!(from, Rank(3));
+            assert!(reason.starts_with("shared ring corrupt: the writer's position 5000"), "{reason}");
+        }
+        _ => panic!("a corrupt ring must end the connection"),
+    }
 }

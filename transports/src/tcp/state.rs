@@ -100,10 +100,10 @@ pub(crate) struct DriverState {
     plane: DataPlane<Pending, Vec<u8>>,
     /// Plans of the collectives run so far, reused by later runs of the same ones.
     plans: PlanCache,
-    /// The last allreduce [`DriverState::single_exchange`] looked at, by element count and
+    /// The last allreduce [`DriverState::quick_plan`] looked at, by element count and
     /// size, and its plan's single exchange: a loop of one small allreduce asks for the same
     /// plan at every work.
-    last_exchange: Option<(usize, usize, Option<(Rank, u32)>)>,
+    last_exchange: Option<(usize, usize, Option<PeerStep>)>,
     /// p2p matching: posted receives, and payloads nobody has asked for yet.
     p2p: Matcher<WorkId>,
     /// The ranks a running collective waits for, as last asked (one allocation for every ask).
@@ -275,25 +275,48 @@ impl DriverState {
         Ok(work)
     }
 
-    /// A user's two-rank allreduce of one tensor, to be run in its submit call (see
-    /// `quick.rs`): submitted to the core like any work, launched at once, and its one frame
-    /// sent to `peer`; the caller then waits for the peer's frame itself
-    /// ([`Exchange::take`]) and ends it with [`DriverState::quick_finish`] or, if the frame
-    /// does not come, [`DriverState::quick_hand_off`]. [`QuickStart::No`] gives the request
-    /// back when it cannot run so (other works in flight, frames held, a plan that is not a
-    /// single exchange with `peer`).
+    /// Whether a user's allreduce of `tensors` with `op` may run in its submit call (see
+    /// `quick.rs`): nothing else is in flight or held here, and its plan is one exchange of the
+    /// whole buffer with `peer` (PremulSum is left out: its premultiplied input would be
+    /// premultiplied again if the work were handed off).
+    pub(crate) fn quick_plan(&mut self, tensors: &[Tensor], op: ReduceOp, peer: Rank) -> Option<QuickPlan> {
+        let idle = self.plane.is_empty() && self.plane.held() == 0 && self.plane.unwritten() == 0;
+        let [tensor] = tensors else { return None };
+        if !idle || matches!(op, ReduceOp::PremulSum(_)) {
+            return None;
+        }
+        let reduction = Reduction::new(op, tensor.dtype()).ok()?;
+        let count = tensor.numel();
+        let elem = tensor.dtype().size();
+        let shape = match self.last_exchange {
+            Some((c, e, shape)) if (c, e) == (count, elem) => shape,
+            _ => {
+                let world = self.group.config().world_size;
+                let op = ScheduleOp::Allreduce { count };
+                let plan = self.plans.plan(&op, self.me, world, elem, PlanOptions::default()).ok()?;
+                let shape = plan.single_exchange().filter(|_| plan.data_len() == tensor.nbytes());
+                self.last_exchange = Some((count, elem, shape));
+                shape
+            }
+        };
+        let (to, step) = shape?;
+        (to == peer).then_some(QuickPlan { reduction, peer, step })
+    }
+
+    /// A user's allreduce that [`DriverState::quick_plan`] accepted, to be run in its submit
+    /// call: submitted to the core like any work, launched at once, and its one frame sent to
+    /// the peer; the caller then waits for the peer's frame itself ([`Exchange::take`]) and
+    /// ends it with [`DriverState::quick_finish`] or, if the frame does not come,
+    /// [`DriverState::quick_hand_off`].
     pub(crate) fn quick_start(
         &mut self,
         now: Instant,
         call: Allreduce,
-        peer: Rank,
+        plan: QuickPlan,
         hook: Option<crate::work::CompletionHook>,
         effects: &mut Effects,
     ) -> Result<QuickStart, SubmitError> {
-        let idle = self.plane.is_empty() && self.plane.held() == 0 && self.plane.unwritten() == 0;
-        let Some((reduction, step)) = idle.then(|| self.single_exchange(&call.tensors, call.op, peer)).flatten() else {
-            return Ok(QuickStart::No(call));
-        };
+        let QuickPlan { reduction, peer, step } = plan;
         let Allreduce { collective, mut tensors, op } = call;
         let fingerprint =
             Some(Fingerprint { op: collective.op, dtype: Some(tensors[0].dtype()), root: collective.root });
@@ -352,33 +375,6 @@ impl DriverState {
                 Ok(QuickStart::Done(work))
             }
         }
-    }
-
-    /// The reduction and step of an allreduce of `tensors` with `op` whose plan is one
-    /// exchange of the whole buffer with `peer`, the only shape [`DriverState::quick_start`]
-    /// runs. PremulSum is left out: its premultiplied input would be premultiplied again if
-    /// the work were handed off.
-    fn single_exchange(&mut self, tensors: &[Tensor], op: ReduceOp, peer: Rank) -> Option<(Reduction, u32)> {
-        let [tensor] = tensors else { return None };
-        if matches!(op, ReduceOp::PremulSum(_)) {
-            return None;
-        }
-        let reduction = Reduction::new(op, tensor.dtype()).ok()?;
-        let count = tensor.numel();
-        let elem = tensor.dtype().size();
-        let shape = match self.last_exchange {
-            Some((c, e, shape)) if (c, e) == (count, elem) => shape,
-            _ => {
-                let world = self.group.config().world_size;
-                let op = ScheduleOp::Allreduce { count };
-                let plan = self.plans.plan(&op, self.me, world, elem, PlanOptions::default()).ok()?;
-                let shape = plan.single_exchange().filter(|_| plan.data_len() == tensor.nbytes());
-                self.last_exchange = Some((count, elem, shape));
-                shape
-            }
-        };
-        let (to, step) = shape?;
-        (to == peer).then_some((reduction, step))
     }
 
     /// The peer's frame was combined into the exchange's tensor ([`Exchange::take`]): finish
@@ -937,10 +933,18 @@ impl DriverState {
     }
 }
 
+/// A single exchange's peer and step ([`Plan::single_exchange`](cohort_core::schedule::Plan::single_exchange)).
+type PeerStep = (Rank, u32);
+
+/// What [`DriverState::quick_plan`] found: the exchange's reduction, peer and step.
+pub(crate) struct QuickPlan {
+    reduction: Reduction,
+    peer: Rank,
+    step: u32,
+}
+
 /// How [`DriverState::quick_start`] went.
 pub(crate) enum QuickStart {
-    /// It cannot run in its submit call: submit it the usual way.
-    No(Allreduce),
     /// The work is on the usual path already (or ended: its link is gone).
     Done(Work),
     /// Its frame went: wait for the peer's.
