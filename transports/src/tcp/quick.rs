@@ -34,9 +34,10 @@
 //! frame (a desync, a stale frame, the connection's end). Timeouts, stuck notes, heartbeats
 //! and failure detection are the usual path's: a work ended here ended within microseconds.
 //!
-//! A peer that is late more than once in a row (busy, or on a crowded host where the two
-//! ranks share a core, so that spinning only delays it) makes the next collectives skip this
-//! path, for longer each time ([`Gate`]). `COHORT_SHM_QUICK=0` turns it off.
+//! A late peer makes the next collectives skip this path, for longer with each hand-off in a
+//! row ([`Gate`]): one that is often busy, or that shares this rank's core on a crowded host
+//! (where spinning only delays it), gains nothing from the spin. `COHORT_SHM_QUICK=0` turns
+//! the path off.
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
@@ -134,7 +135,8 @@ pub(super) fn allreduce(
     // and never waits for it while it holds the state.
     let (work, last) = inner.input_into(&mut acc, |st, fx| {
         let call = Allreduce { collective, tensors, op };
-        let (plan, mut held) = match st.quick_plan(&call.tensors, op, peer).zip(reader.hold()) {
+        let ready = st.quick_plan(&call.tensors, op, peer).and_then(|plan| Some((plan, reader.hold()?)));
+        let (plan, mut held) = match ready {
             Some(ready) => ready,
             None => {
                 let request = Box::new(Request::allreduce(call.tensors, op));
