@@ -176,7 +176,7 @@ async fn a_held_ring_gives_a_data_frame_to_a_taker_that_wants_it_and_leaves_anyt
     let long = Duration::from_secs(5);
     // Nothing comes: the wait ends at its deadline.
     let (waited, early) = wait(&reader, Duration::from_millis(5), |_, _| panic!("nothing is there"));
-    assert!(matches!(waited, Waited::Other) && !early);
+    assert!(matches!(waited, Waited::Late) && !early);
     // A data frame the taker refuses stays where it lies: offered again, it is taken.
     peer.write([&data_frame(1, &[7; 100])[..]]).unwrap();
     let (waited, early) = wait(&reader, long, |h, _| {
@@ -193,7 +193,7 @@ async fn a_held_ring_gives_a_data_frame_to_a_taker_that_wants_it_and_leaves_anyt
     assert_eq!(seen, vec![(SeqNo(1), vec![7; 100])]);
     // Its room was released: the ring is empty again.
     let (waited, early) = wait(&reader, Duration::from_millis(5), |_, _| panic!("taken already"));
-    assert!(matches!(waited, Waited::Other) && !early);
+    assert!(matches!(waited, Waited::Late) && !early);
     // A heartbeat is never offered, and stays (every look finds it at once).
     let heartbeat = Frame { header: FrameHeader::heartbeat(Rank(3)), payload: Vec::new() }.encode();
     peer.write([&heartbeat[..], &data_frame(2, &[1; 8])[..]]).unwrap();

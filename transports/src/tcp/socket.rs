@@ -531,9 +531,11 @@ pub(crate) struct ShmPath {
 pub(crate) enum Waited {
     /// The frame was taken where it lay and its room released.
     Took,
-    /// Something else lies there (another frame, a frame that wraps around the ring's end), or
-    /// nothing came in time: the usual readers take it from here.
+    /// Something else lies there (another frame, a frame that wraps around the ring's end):
+    /// the usual readers take it from here.
     Other,
+    /// Nothing came in time.
+    Late,
     /// The connection's last word (a malformed frame, a corrupt ring), to be delivered as a
     /// drain delivers it ([`FastReader::finish_held`]).
     End(Inbound),
@@ -593,7 +595,7 @@ impl Held<'_> {
             // The clock costs more than a look at the ring: read it every few looks.
             looks = looks.wrapping_add(1);
             if looks.is_multiple_of(64) && std::time::Instant::now() >= deadline {
-                return Waited::Other;
+                return Waited::Late;
             }
             std::hint::spin_loop();
         }
