@@ -323,6 +323,24 @@ mod tests {
     }
 
     #[test]
+    fn a_late_peer_closes_the_path_for_longer_each_time_in_a_row_and_anything_else_does_not() {
+        let gate = super::Gate::default();
+        let skipped = |gate: &super::Gate| (0..10_000).take_while(|_| gate.skip()).count();
+        assert_eq!(skipped(&gate), 0, "open from the start");
+        gate.handed_off(false);
+        assert_eq!(skipped(&gate), 0, "a heartbeat in the way closes nothing");
+        for want in [16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 4096] {
+            gate.handed_off(true);
+            assert_eq!(skipped(&gate), want);
+        }
+        gate.took();
+        gate.handed_off(true);
+        assert_eq!(skipped(&gate), 16, "a work that ended in its call starts the count again");
+        assert_eq!(gate.ended.load(Ordering::Relaxed), 1);
+        assert_eq!(gate.handed_off.load(Ordering::Relaxed), 12);
+    }
+
+    #[test]
     fn small_allreduces_between_two_ranks_end_in_their_submit_call_with_the_usual_result() {
         let rt = runtime();
         let pgs = pair(&rt, [opts(true), opts(true)]);
