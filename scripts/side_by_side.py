@@ -55,7 +55,9 @@ def run(cmd, timeout=600, env=None):
 
 
 COHORT_ROWS = {
-    "allreduce 4 B": ["-b", "4", "-e", "4", "-n", "2000", "-w", "200"],
+    # At 1-2 µs an iteration, 2,000 iterations last a few milliseconds, and one preemption of
+    # a millisecond moves their mean by half a microsecond: the steady row takes 20,000.
+    "allreduce 4 B": ["-b", "4", "-e", "4", "-n", "20000", "-w", "1000"],
     # The first 500 of a fresh group, no warm-up: what a job with few small collectives sees.
     "allreduce 4 B, cold": ["-b", "4", "-e", "4", "-n", "500", "-w", "0"],
     "allreduce 1 MiB": ["-b", "1M", "-e", "1M", "-n", "200", "-w", "20"],
@@ -84,7 +86,7 @@ ROW = re.compile(r"^\s+(\d+)\s+(\d+)\s+([\d.]+)\s+([\d.]+)\s+([\d.]+)")
 # 1 MiB an iteration takes about half a millisecond and a stalled one a millisecond or more (in
 # this machine's slow spells OpenMPI's times rise too): with 50 iterations, a few stalls decided
 # a repetition's mean, and the per-repetition ratio to OpenMPI ranged from 0.62 to 2.04.
-MPI_ROWS = {"allreduce 4 B": (4, 2000, 200), "allreduce 4 B, cold": (4, 500, 0), "allreduce 1 MiB": (1 << 20, 200, 20),
+MPI_ROWS = {"allreduce 4 B": (4, 20000, 1000), "allreduce 4 B, cold": (4, 500, 0), "allreduce 1 MiB": (1 << 20, 200, 20),
             "allreduce 64 MiB": (64 << 20, 10, 3)}
 # torch_gloo_bench.py's iterations and warm-up for every size of its sweep (the 64 MiB row's, as
 # everyone's): at 64 MiB the first iterations on fresh connections run long (even the bare
