@@ -526,6 +526,12 @@ pub(crate) struct ShmPath {
     eof: AtomicBool,
 }
 
+/// The connection's last word when its shared-memory ring is corrupt (`e`), naming the peer.
+fn ring_failed(asm: &Assembler, e: &cohort_core::shm::ShmError) -> Inbound {
+    let from = asm.from();
+    Inbound::Closed { from, reason: format!("{e} (from rank {from}'s shared memory)"), clean: false }
+}
+
 /// What a thread waiting for one frame found at a shared-memory ring's read position
 /// ([`Held::wait_for`]).
 pub(crate) enum Waited {
@@ -586,11 +592,7 @@ impl Held<'_> {
                 }
                 Ok(Some(other)) => return other,
                 Ok(None) => {}
-                Err(e) => {
-                    let from = asm.from();
-                    let reason = format!("{e} (from rank {from}'s shared memory)");
-                    return Waited::End(Inbound::Closed { from, reason, clean: false });
-                }
+                Err(e) => return Waited::End(ring_failed(asm, &e)),
             }
             // The clock costs more than a look at the ring: read it every few looks.
             looks = looks.wrapping_add(1);
@@ -692,10 +694,7 @@ impl ShmPath {
                 }
                 done
             }
-            Err(e) => {
-                let reason = format!("{e} (from rank {}'s shared memory)", asm.from());
-                InPlace::End(Inbound::Closed { from: asm.from(), reason, clean: false })
-            }
+            Err(e) => InPlace::End(ring_failed(asm, &e)),
         }
     }
 
@@ -714,10 +713,7 @@ impl ShmPath {
                 }
                 return ShmStep::Read;
             }
-            Err(e) => {
-                let reason = format!("{e} (from rank {}'s shared memory)", asm.from());
-                return ShmStep::End(Inbound::Closed { from: asm.from(), reason, clean: false });
-            }
+            Err(e) => return ShmStep::End(ring_failed(asm, &e)),
         }
         drop(ring);
         if self.eof.load(Ordering::Acquire) {
