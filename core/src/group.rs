@@ -741,6 +741,49 @@ struct WorkEntry {
     record: Option<RecordId>,
 }
 
+/// What [`GroupState::admit`] gave a new work.
+struct Admitted {
+    id: WorkId,
+    seq: SeqNo,
+    timeout: Duration,
+    record: Option<RecordId>,
+}
+
+/// How [`GroupState::submit_inline`] took a collective.
+#[derive(Debug)]
+#[allow(clippy::large_enum_variant)] // moved once a call: a box would cost the allocation this path saves
+pub enum Inline {
+    /// Started, and with the caller: end it with [`GroupState::finish_inline`] or
+    /// [`GroupState::adopt_inline`] before the group's next input.
+    Running(InlineWork),
+    /// Submitted as usual, under this id.
+    Queued(WorkId),
+}
+
+/// A started collective that the caller runs to its end itself ([`GroupState::submit_inline`]).
+#[derive(Debug)]
+#[must_use = "an inline work ends in GroupState::finish_inline or GroupState::adopt_inline"]
+pub struct InlineWork {
+    id: WorkId,
+    seq: SeqNo,
+    collective: Collective,
+    lifecycle: Lifecycle,
+    timeout: Duration,
+    record: Option<RecordId>,
+}
+
+impl InlineWork {
+    /// Its id.
+    pub fn id(&self) -> WorkId {
+        self.id
+    }
+
+    /// Its sequence number.
+    pub fn seq(&self) -> SeqNo {
+        self.seq
+    }
+}
+
 #[derive(Debug, Clone, PartialEq, Eq)]
 enum Health {
     Healthy,
@@ -929,11 +972,75 @@ impl GroupState {
     /// number and a deadline. May queue a [`Launch`].
     pub fn submit(&mut self, now: Instant, collective: Collective) -> Result<WorkId, SubmitError> {
         let now = self.since_epoch(now);
+        let Admitted { id, seq, timeout, record } = self.admit(now, &collective)?;
+        self.enter(now, id, seq, collective, Lifecycle::new(now), timeout, record);
+        self.to_launch.push_back(id);
+        self.launch_ready();
+        Ok(id)
+    }
+
+    /// Submit a collective that the caller will run to its end at once, before its next input
+    /// to this group, if the group is idle (nothing in flight, nothing to launch) and healthy:
+    /// it starts now and stays with the caller ([`Inline::Running`]), outside the group's table
+    /// of works, until [`GroupState::finish_inline`] ends it or [`GroupState::adopt_inline`]
+    /// gives it the usual entry. Otherwise it is submitted as [`GroupState::submit`] submits
+    /// it ([`Inline::Queued`]).
+    ///
+    /// What every work gets it gets here too: the checks, the sequence number, the
+    /// flight-recorder entry and the desync signature. A work that ends within its submit call
+    /// has no use for the rest of an entry (deadline and stuck timers, the launch queue, the
+    /// table's entry and the finished event), which is most of the core's cost for a small
+    /// collective (`docs/performance.md`). No input can reach the group while the caller holds
+    /// the work, so nothing can see it missing from the table.
+    pub fn submit_inline(&mut self, now: Instant, collective: Collective) -> Result<Inline, SubmitError> {
+        let idle = self.works.is_empty() && self.launches.is_empty() && self.running == 0;
+        if !idle || collective.op.is_p2p() || !matches!(self.health, Health::Healthy) {
+            return self.submit(now, collective).map(Inline::Queued);
+        }
+        let now = self.since_epoch(now);
+        let Admitted { id, seq, timeout, record } = self.admit(now, &collective)?;
+        let mut lifecycle = Lifecycle::new(now);
+        lifecycle.start(now).expect("a new work can always start");
+        if let Some(rid) = record {
+            self.recorder.handle_started(rid, now);
+        }
+        Ok(Inline::Running(InlineWork { id, seq, collective, lifecycle, timeout, record }))
+    }
+
+    /// Inline work `work` succeeded: it finishes as a work leaving the table finishes (its
+    /// flight-recorder entry completes), and its summary is returned rather than queued as an
+    /// [`Event::WorkFinished`].
+    pub fn finish_inline(&mut self, now: Instant, work: InlineWork) -> WorkSummary {
+        let now = self.since_epoch(now);
+        let InlineWork { id, seq, collective, mut lifecycle, record, .. } = work;
+        let result = WorkResult::Success;
+        lifecycle.finish(now, result.terminal_state()).expect("a started work can finish");
+        if let Some(rid) = record {
+            self.recorder.handle_finished(rid, now, &result);
+        }
+        WorkSummary { id, seq, is_p2p: false, op: collective.op, result, lifecycle }
+    }
+
+    /// Inline work `work` does not end at once after all: it takes the entry a submitted and
+    /// started work has, its deadline counted from its submission, and goes on as any other
+    /// (its completion comes by [`GroupState::handle_completion`]).
+    pub fn adopt_inline(&mut self, work: InlineWork) {
+        let InlineWork { id, seq, collective, lifecycle, timeout, record } = work;
+        let submitted = lifecycle.enqueued_at();
+        self.enter(submitted, id, seq, collective, lifecycle, timeout, record);
+        if let Some(w) = self.works.get_mut(&id) {
+            w.launched = true;
+            self.running += 1;
+        }
+    }
+
+    /// The checks, sequence number, flight-recorder entry and desync signature of a new work.
+    fn admit(&mut self, now: Duration, collective: &Collective) -> Result<Admitted, SubmitError> {
         match &self.health {
             Health::Healthy => {}
             Health::Failed(cause) => {
                 let cause = cause.clone();
-                self.record_refused(now, &collective, &cause);
+                self.record_refused(now, collective, &cause);
                 return Err(SubmitError::GroupFailed { cause });
             }
             Health::Aborted(cause) => return Err(SubmitError::Aborted { cause: cause.clone() }),
@@ -953,12 +1060,12 @@ impl GroupState {
         let id = WorkId(self.next_work);
         self.next_work += 1;
         let timeout = collective.timeout.unwrap_or(self.cfg.timeout);
-        let record = self.record(now, &collective, seq, timeout);
+        let record = self.record(now, collective, seq, timeout);
         if !is_p2p {
             if self.signatures.len() == SIGNATURES_KEPT {
                 self.signatures.pop_front();
             }
-            self.signatures.push_back((seq, Signature::of(&collective)));
+            self.signatures.push_back((seq, Signature::of(collective)));
             // A census about this collective asked before this rank reached it got "not
             // there yet": vote again, now that it is.
             if let Some(c) = self.censuses.get_mut(&seq)
@@ -968,10 +1075,26 @@ impl GroupState {
                 self.census_vote(seq);
             }
         }
-        self.timers.set(TimerKind::WorkDeadline(id), now.saturating_add(timeout));
+        Ok(Admitted { id, seq, timeout, record })
+    }
+
+    /// Work `id`'s entry in the table, with its timers counted from `submitted`.
+    #[allow(clippy::too_many_arguments)] // the parts of one entry, from two callers
+    fn enter(
+        &mut self,
+        submitted: Duration,
+        id: WorkId,
+        seq: SeqNo,
+        collective: Collective,
+        lifecycle: Lifecycle,
+        timeout: Duration,
+        record: Option<RecordId>,
+    ) {
+        let is_p2p = collective.op.is_p2p();
+        self.timers.set(TimerKind::WorkDeadline(id), submitted.saturating_add(timeout));
         if !is_p2p && self.cfg.world_size > 2 {
             // With two ranks the rank waited for is the only other one: no chain to follow.
-            self.timers.set(TimerKind::WorkStuck(id), now.saturating_add(timeout / 2));
+            self.timers.set(TimerKind::WorkStuck(id), submitted.saturating_add(timeout / 2));
         }
         self.works.insert(
             id,
@@ -979,7 +1102,7 @@ impl GroupState {
                 seq,
                 is_p2p,
                 collective,
-                lifecycle: Lifecycle::new(now),
+                lifecycle,
                 timeout,
                 launched: false,
                 waiting_on: None,
@@ -988,9 +1111,6 @@ impl GroupState {
                 record,
             },
         );
-        self.to_launch.push_back(id);
-        self.launch_ready();
-        Ok(id)
     }
 
     /// The data plane started work `id`. Queues nothing.
@@ -2059,6 +2179,96 @@ mod tests {
         assert_eq!(s.lifecycle.duration(), Some(Duration::from_micros(250)));
         let dump = g.dump();
         assert_eq!(dump.entries[0].duration_ms, Some(0.25));
+    }
+
+    /// Rank 0 of 2 with epoch `t0`, as [`group`] makes it.
+    fn group_at(t0: Instant) -> GroupState {
+        let (g, _) = group(2, 0, ErrorHandling::CleanUpOnly);
+        GroupState::new(g.config().clone(), Rank(0), t0)
+    }
+
+    /// The usual path of one allreduce on `g`: submitted and started at `at`, its result at
+    /// `done` (`None`: left running). The finished work's summary, if it finished.
+    fn run_usual(g: &mut GroupState, at: Instant, done: Option<Instant>) -> Option<WorkSummary> {
+        let id = g.submit(at, allreduce(4)).unwrap();
+        assert_eq!(g.poll_launch().map(|l| l.id), Some(id));
+        g.handle_started(at, id);
+        let done = done?;
+        g.handle_completion(done, id, Completion::Success);
+        match &drain_events(g)[..] {
+            [Event::WorkFinished(s)] => Some(s.clone()),
+            other => panic!("{other:?}"),
+        }
+    }
+
+    #[test]
+    fn an_inline_work_is_numbered_recorded_and_finished_as_a_submitted_one() {
+        #[allow(clippy::disallowed_methods)] // the test's one epoch
+        let t0 = Instant::now();
+        let ms = |n| t0 + Duration::from_millis(n);
+        let (mut usual, mut inline) = (group_at(t0), group_at(t0));
+        for i in 0..3 {
+            let want = run_usual(&mut usual, ms(10 * i), Some(ms(10 * i + 3))).unwrap();
+            let Inline::Running(w) = inline.submit_inline(ms(10 * i), allreduce(4)).unwrap() else {
+                panic!("an idle group runs it inline")
+            };
+            assert_eq!((w.id(), w.seq()), (want.id, want.seq));
+            assert_eq!(inline.in_flight(), 0, "it stays with the caller");
+            assert!(inline.poll_launch().is_none());
+            assert_eq!(inline.finish_inline(ms(10 * i + 3), w), want);
+            assert!(drain_events(&mut inline).is_empty(), "its summary was returned, not queued");
+        }
+        assert_eq!(inline.dump(), usual.dump(), "the same flight-recorder entries, times and statuses");
+
+        // Adopted: it finishes by the usual completion, as the usual work does.
+        let want = run_usual(&mut usual, ms(40), Some(ms(45))).unwrap();
+        let Inline::Running(w) = inline.submit_inline(ms(40), allreduce(4)).unwrap() else { panic!() };
+        let id = w.id();
+        inline.adopt_inline(w);
+        assert_eq!(inline.work_state(id), Some(WorkState::Started));
+        assert!(inline.poll_launch().is_none(), "it was launched when it started");
+        inline.handle_completion(ms(45), id, Completion::Success);
+        assert_eq!(drain_events(&mut inline), vec![Event::WorkFinished(want)]);
+        assert_eq!(inline.dump(), usual.dump());
+
+        // Adopted and never answered: it times out at its submission plus the timeout, with
+        // what the usual work's timeout says; both groups then refuse the next submit alike.
+        run_usual(&mut usual, ms(50), None);
+        let Inline::Running(w) = inline.submit_inline(ms(50), allreduce(4)).unwrap() else { panic!() };
+        inline.adopt_inline(w);
+        for g in [&mut usual, &mut inline] {
+            g.handle_timeout(ms(50) + Duration::from_secs(10) - Duration::from_millis(1));
+            assert!(drain_events(g).is_empty(), "not before its deadline");
+        }
+        let deadline = ms(50) + Duration::from_secs(10);
+        let ends: Vec<Vec<Event>> = [&mut usual, &mut inline]
+            .into_iter()
+            .map(|g| {
+                g.handle_timeout(deadline);
+                g.handle_timeout(deadline + CENSUS_WINDOW);
+                drain_events(g)
+            })
+            .collect();
+        assert!(ends[0].iter().any(|e| matches!(e, Event::GroupFailed(_))), "{:?}", ends[0]);
+        assert_eq!(ends[0], ends[1]);
+        assert_eq!(inline.dump(), usual.dump());
+        let refused = |g: &mut GroupState| g.submit_inline(ms(60_000), allreduce(4)).map(|_| ()).unwrap_err();
+        assert_eq!(refused(&mut inline), refused(&mut usual));
+    }
+
+    #[test]
+    fn a_busy_group_submits_an_inline_work_the_usual_way() {
+        let (mut g, t0) = group(2, 0, ErrorHandling::CleanUpOnly);
+        let a = g.submit(t0, allreduce(4)).unwrap();
+        let b = match g.submit_inline(t0, allreduce(4)).unwrap() {
+            Inline::Queued(b) => b,
+            Inline::Running(w) => panic!("{w:?} ran inline beside work {a}"),
+        };
+        assert_eq!(std::iter::from_fn(|| g.poll_launch()).map(|l| l.id).collect::<Vec<_>>(), vec![a, b]);
+        // Point-to-point ops never run inline.
+        let (mut g, t0) = group(2, 0, ErrorHandling::CleanUpOnly);
+        let send = Collective::new(OpType::Send).inputs(vec![TensorSpec::new(DType::F32, &[4])]).peer(Rank(1), 0);
+        assert!(matches!(g.submit_inline(t0, send), Ok(Inline::Queued(_))));
     }
 
     #[test]

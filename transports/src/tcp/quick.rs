@@ -20,17 +20,23 @@
 //!    reading side (a drain takes them the other way round, so this thread only tries for
 //!    it; a collective that cannot take this path is submitted the usual way under the same
 //!    hold of the state);
-//! 2. submits the work to the core like any other (sequence number, flight-recorder entry,
-//!    timers, desync signature), and sends its frame as the executor would;
+//! 2. submits the work to the core as an inline work
+//!    ([`GroupState::submit_inline`](cohort_core::group::GroupState::submit_inline)): its
+//!    checks, sequence number, flight-recorder entry and desync signature are any work's, but it
+//!    stays out of the core's table (no deadline timers, launch queue or finished event) and out
+//!    of the data plane's, since it ends before the group's next input; and sends its frame as
+//!    the executor would;
 //! 3. spins on the ring for up to [`QUICK_WAIT`] for the peer's frame, checks that it is this
 //!    collective's (group, sequence number, step, fingerprint tag, length), combines it into
 //!    the tensor where it lies and finalizes (the executor's order: see the core's property
-//!    test), and ends the work as the usual path ends it.
+//!    test), and ends the work: its flight-recorder entry completes and the `Work` finishes
+//!    as the usual path finishes it, after the lock is released.
 //!
 //! Anything else goes to the one state machine: a frame that does not come in time, or any
 //! other frame at the read position, hands the work off as a running collective whose first
-//! frame has gone ([`DriverState::quick_hand_off`](super::state::DriverState::quick_hand_off));
-//! the usual readers then read what is there and the data plane judges it as it judges every
+//! frame has gone ([`DriverState::quick_hand_off`](super::state::DriverState::quick_hand_off)),
+//! with the entries a submitted work has and its deadline counted from its submission; the usual
+//! readers then read what is there and the data plane judges it as it judges every
 //! frame (a desync, a stale frame, the connection's end). Timeouts, stuck notes, heartbeats
 //! and failure detection are the usual path's: a work ended here ended within microseconds.
 //!
@@ -184,12 +190,12 @@ pub(super) fn allreduce(
                 None
             }
             waited @ (Waited::Other | Waited::Late) => {
-                st.quick_hand_off(super::now(), exchange, fx);
+                st.quick_hand_off(super::now(), exchange, false, fx);
                 inner.quick.handed_off(matches!(waited, Waited::Late));
                 None
             }
             Waited::End(last) => {
-                st.quick_hand_off(super::now(), exchange, fx);
+                st.quick_hand_off(super::now(), exchange, false, fx);
                 inner.quick.handed_off(false);
                 Some(last)
             }

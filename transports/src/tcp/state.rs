@@ -15,7 +15,9 @@ use std::time::Instant;
 
 use bytes::Bytes;
 use cohort_core::dataplane::{self, AfterWrite, DataFrame, DataPlane, PeerClosed, Route};
-use cohort_core::group::{Collective, Completion, ControlMsg, Event, GroupState, Launch, SubmitError, WorkSummary};
+use cohort_core::group::{
+    Collective, Completion, ControlMsg, Event, GroupState, Inline, InlineWork, Launch, SubmitError, WorkSummary,
+};
 use cohort_core::p2p::Matcher;
 use cohort_core::protocol::{Fingerprint, FrameHeader, FrameKind, decode_control, encode_control};
 use cohort_core::schedule::PlanCache;
@@ -304,10 +306,11 @@ impl DriverState {
     }
 
     /// A user's allreduce that [`DriverState::quick_plan`] accepted, to be run in its submit
-    /// call: submitted to the core like any work, launched at once, and its one frame sent to
-    /// the peer; the caller then waits for the peer's frame itself ([`Exchange::take`]) and
-    /// ends it with [`DriverState::quick_finish`] or, if the frame does not come,
-    /// [`DriverState::quick_hand_off`].
+    /// call: submitted to the core as an inline work ([`GroupState::submit_inline`]: numbered,
+    /// recorded and started like any work, but kept out of the core's table and of this data
+    /// plane's), and its one frame sent to the peer; the caller then waits for the peer's frame
+    /// itself ([`Exchange::take`]) and ends it with [`DriverState::quick_finish`] or, if the
+    /// frame does not come, [`DriverState::quick_hand_off`], which gives it the usual entries.
     pub(crate) fn quick_start(
         &mut self,
         now: Instant,
@@ -320,32 +323,26 @@ impl DriverState {
         let Allreduce { collective, mut tensors, op } = call;
         let fingerprint =
             Some(Fingerprint { op: collective.op, dtype: Some(tensors[0].dtype()), root: collective.root });
-        let id = self.group.submit(now, collective)?;
-        let seq = self.group.seq();
-        let (work, completer) = Work::pending(id, seq, OpType::Allreduce, hook);
-        completer.in_group(self.gid, self.me);
-        let taken = Box::new(super::collective::Request::Taken);
-        let pending =
-            Pending { completer, payload: Payload::Collective { request: taken, run: None }, outputs: Vec::new() };
-        self.plane.track(id, fingerprint, pending);
-        effects.rearm_timer = true;
-        // With nothing else in flight the core launches it at once; should it not, the usual
-        // path takes the work.
-        match self.group.poll_launch() {
-            Some(launch) if launch.id == id => self.group.handle_started(now, id),
-            other => {
-                if let Some(p) = self.plane.work_mut(id) {
-                    p.payload = Payload::Collective { request: Box::new(Request::allreduce(tensors, op)), run: None };
-                }
-                if let Some(launch) = other {
-                    self.launch(now, launch, effects);
-                }
+        let inline = match self.group.submit_inline(now, collective)? {
+            Inline::Running(inline) => inline,
+            Inline::Queued(id) => {
+                // The core had something in flight after all: the usual path takes it.
+                let (work, completer) = Work::pending(id, self.group.seq(), OpType::Allreduce, hook);
+                completer.in_group(self.gid, self.me);
+                let payload = Payload::Collective { request: Box::new(Request::allreduce(tensors, op)), run: None };
+                self.plane.track(id, fingerprint, Pending { completer, payload, outputs: Vec::new() });
+                self.corking = self.corks.in_burst();
                 self.drain(now, effects);
+                self.corking = false;
+                effects.rearm_timer = true;
                 return Ok(QuickStart::Done(work));
             }
-        }
+        };
+        let (id, seq) = (inline.id(), inline.seq());
+        let (work, completer) = Work::pending(id, seq, OpType::Allreduce, hook);
+        completer.in_group(self.gid, self.me);
         let tensor = tensors.pop().expect("one tensor, checked above");
-        let tag = self.plane.tag(id);
+        let tag = fingerprint.map_or(0, Fingerprint::to_tag);
         let mut header = FrameHeader::data(self.gid, seq, step, self.me, tensor.nbytes() as u64);
         header.tag = tag;
         let mode = self.mode();
@@ -360,16 +357,17 @@ impl DriverState {
                 })
             }
         };
-        let exchange = Exchange { id, seq, peer, step, tag, gid: self.gid, tensor, reduction, op };
+        let exchange =
+            Exchange { inline, completer, fingerprint, peer, step, tag, gid: self.gid, tensor, reduction, op };
         match sent {
             Sent::Written => Ok(QuickStart::Sent(work, exchange)),
             Sent::Queued => {
                 // It waits for the writer task: the usual path waits for it too.
-                self.count_sent(id, peer, Sent::Queued);
-                self.quick_hand_off(now, exchange, effects);
+                self.quick_hand_off(now, exchange, true, effects);
                 Ok(QuickStart::Done(work))
             }
             Sent::Gone => {
+                let id = self.adopt(exchange, effects).0;
                 self.group.handle_completion(now, id, dataplane::link_gone(peer));
                 self.drain(now, effects);
                 Ok(QuickStart::Done(work))
@@ -378,30 +376,37 @@ impl DriverState {
     }
 
     /// The peer's frame was combined into the exchange's tensor ([`Exchange::take`]): finish
-    /// the reduction and end the work as the usual path ends it.
-    pub(crate) fn quick_finish(&mut self, now: Instant, exchange: Exchange, effects: &mut Effects) {
-        let Exchange { id, peer, mut tensor, reduction, .. } = exchange;
-        self.group.handle_peer_activity(now, peer);
-        match reduction.finalize(tensor.bytes_mut(), 2) {
+    /// the reduction and end the work as the usual path ends it: its summary and output go to
+    /// the works finished under this lock, and frames for it are stale from now on.
+    pub(crate) fn quick_finish(&mut self, now: Instant, mut exchange: Exchange, effects: &mut Effects) {
+        self.group.handle_peer_activity(now, exchange.peer);
+        match exchange.reduction.finalize(exchange.tensor.bytes_mut(), 2) {
             Ok(()) => {
-                if let Some(p) = self.plane.work_mut(id) {
-                    p.outputs = vec![tensor];
+                let Exchange { inline, completer, tensor, .. } = exchange;
+                let summary = self.group.finish_inline(now, inline);
+                let finished = self.plane.finish(summary.id, Some(summary.seq));
+                for payload in finished.stale {
+                    self.pool.give(payload);
                 }
-                self.data_done(now, id);
+                effects.finished.0.push((completer, summary, vec![tensor]));
             }
             Err(e) => {
-                let message = e.to_string();
-                self.group.handle_completion(now, id, Completion::Failed { rank: None, message });
+                let id = self.adopt(exchange, effects).0;
+                self.group.handle_completion(now, id, Completion::Failed { rank: None, message: e.to_string() });
             }
         }
         self.drain(now, effects);
     }
 
-    /// The peer's frame did not come in time, or something else came first: the work goes on
-    /// as any running collective whose first frame has gone (timeouts, stuck notes, desync
-    /// checks and failures then apply as to every other).
-    pub(crate) fn quick_hand_off(&mut self, now: Instant, exchange: Exchange, effects: &mut Effects) {
-        let Exchange { id, seq, peer, step, tensor, op, .. } = exchange;
+    /// The peer's frame did not come in time, something else came first, or this rank's frame
+    /// waits for the writer task (`queued`): the work goes on as any running collective whose
+    /// first frame has gone (timeouts, stuck notes, desync checks and failures then apply as to
+    /// every other).
+    pub(crate) fn quick_hand_off(&mut self, now: Instant, exchange: Exchange, queued: bool, effects: &mut Effects) {
+        let (id, Adopted { seq, peer, step, tensor, op }) = self.adopt(exchange, effects);
+        if queued {
+            self.count_sent(id, peer, Sent::Queued);
+        }
         let world = self.group.config().world_size;
         let mut request = Request::allreduce(vec![tensor], op);
         let started = CollectiveRun::start(&mut request, self.me, world, seq, &mut self.plans).and_then(|mut run| {
@@ -421,6 +426,18 @@ impl DriverState {
             Err(message) => self.group.handle_completion(now, id, Completion::Failed { rank: None, message }),
         }
         self.drain(now, effects);
+    }
+
+    /// Give the exchange's inline work the usual entries, the core's table and this data
+    /// plane's tracking (its data still with the exchange, which is given back).
+    fn adopt(&mut self, exchange: Exchange, effects: &mut Effects) -> (WorkId, Adopted) {
+        let Exchange { inline, completer, fingerprint, peer, step, tensor, op, .. } = exchange;
+        let (id, seq) = (inline.id(), inline.seq());
+        self.group.adopt_inline(inline);
+        let payload = Payload::Collective { request: Box::new(Request::Taken), run: None };
+        self.plane.track(id, fingerprint, Pending { completer, payload, outputs: Vec::new() });
+        effects.rearm_timer = true;
+        (id, Adopted { seq, peer, step, tensor, op })
     }
 
     /// A frame from `from`.
@@ -944,6 +961,7 @@ pub(crate) struct QuickPlan {
 }
 
 /// How [`DriverState::quick_start`] went.
+#[allow(clippy::large_enum_variant)] // moved once a call: a box would cost the allocation this path saves
 pub(crate) enum QuickStart {
     /// The work is on the usual path already (or ended: its link is gone).
     Done(Work),
@@ -960,14 +978,25 @@ pub(crate) struct Allreduce {
 
 /// A two-rank allreduce whose frame went, waiting for the peer's ([`DriverState::quick_start`]).
 pub(crate) struct Exchange {
-    id: WorkId,
-    seq: SeqNo,
+    /// The core's side of it, kept out of the core's table until it ends or is handed off.
+    inline: InlineWork,
+    completer: WorkCompleter,
+    fingerprint: Option<Fingerprint>,
     peer: Rank,
     step: u32,
     tag: u32,
     gid: GroupId,
     tensor: Tensor,
     reduction: Reduction,
+    op: ReduceOp,
+}
+
+/// What an exchange handed off still needs ([`DriverState::adopt`]).
+struct Adopted {
+    seq: SeqNo,
+    peer: Rank,
+    step: u32,
+    tensor: Tensor,
     op: ReduceOp,
 }
 
@@ -980,7 +1009,7 @@ impl Exchange {
         header.kind == FrameKind::Data
             && header.group == self.gid
             && header.source == self.peer
-            && header.seq == self.seq
+            && header.seq == self.inline.seq()
             && header.step == self.step
             && header.tag == self.tag
             && payload.len() == self.tensor.nbytes()
