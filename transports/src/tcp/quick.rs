@@ -213,6 +213,10 @@ pub(super) fn allreduce(
         reader.finish_held(inner, last, &mut acc);
     }
     inner.finish_inputs(acc);
+    if took.is_some() {
+        // Finished already (just above): a wait has nothing to poll for or flush.
+        return Ok(work);
+    }
     // As the usual submit sets it for a work this small on a group with fast readers.
     Ok(work.inspect(|w| w.set_progress(inner.progress.clone(), true)))
 }

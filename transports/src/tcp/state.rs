@@ -350,11 +350,9 @@ impl DriverState {
             false => Sent::Gone,
             true => {
                 let DriverState { writers, pool, on_written, .. } = &*self;
-                let written = super::link::Written { id, hook: on_written.0.clone() };
+                let written = || Some(super::link::Written { id, hook: on_written.0.clone() });
                 let lane = writers.get(&peer).and_then(|l| l.lane_for(&header, tensor.nbytes()));
-                lane.map_or(Sent::Gone, |l| {
-                    l.send_slice(header, tensor.bytes(), Some(written), mode, |b| pool.bytes(b))
-                })
+                lane.map_or(Sent::Gone, |l| l.send_slice(header, tensor.bytes(), written, mode, |b| pool.bytes(b)))
             }
         };
         let exchange =
@@ -799,9 +797,9 @@ impl DriverState {
                     let bytes = run.payload(&out);
                     let mut header = FrameHeader::data(self.gid, seq, out.step, self.me, bytes.len() as u64);
                     header.tag = tag;
-                    let written = super::link::Written { id, hook: on_written.0.clone() };
+                    let written = || Some(super::link::Written { id, hook: on_written.0.clone() });
                     let lane = writers.get(&to).and_then(|l| l.lane_for(&header, bytes.len()));
-                    lane.map_or(Sent::Gone, |l| l.send_slice(header, bytes, Some(written), mode, |b| pool.bytes(b)))
+                    lane.map_or(Sent::Gone, |l| l.send_slice(header, bytes, written, mode, |b| pool.bytes(b)))
                 }
             };
             if !self.count_sent(id, to, sent) {

@@ -160,19 +160,20 @@ impl LaneTx {
         let Outbound { header, payload, written, .. } = out;
         // Only small frames are written by the sender here (see [`DIRECT_LIMIT`]).
         let mode = SendMode { direct: mode.direct && payload.len() <= DIRECT_LIMIT, ..mode };
-        self.send_slice(header, &payload, written, mode, |rest| payload.slice(payload.len() - rest.len()..))
+        self.send_slice(header, &payload, || written, mode, |rest| payload.slice(payload.len() - rest.len()..))
     }
 
     /// Send `header` and `payload` as `mode` allows, if nothing is queued ahead of them: held
     /// back if `mode.cork` and the connection's held-back bytes stay within [`CORK_LIMIT`], else
     /// written now if `mode.direct` (straight from the caller's memory, after what was held
     /// back); queue what is left (or everything) as `own` makes it: an owned copy of the bytes
-    /// it is given.
+    /// it is given. `written` is asked for only when the frame is queued: a frame written or
+    /// held back here is never reported written.
     pub(crate) fn send_slice(
         &self,
         header: FrameHeader,
         payload: &[u8],
-        written: Option<Written>,
+        written: impl FnOnce() -> Option<Written>,
         mode: SendMode,
         own: impl FnOnce(&[u8]) -> Bytes,
     ) -> Sent {
@@ -208,7 +209,7 @@ impl LaneTx {
         }
         let skip = done.min(HEADER_LEN);
         let rest = own(&payload[done - skip..]);
-        if self.tx.send(Outbound { header, payload: rest, written, skip }).is_err() {
+        if self.tx.send(Outbound { header, payload: rest, written: written(), skip }).is_err() {
             return Sent::Gone;
         }
         g.queued += 1;
