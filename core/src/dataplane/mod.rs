@@ -207,8 +207,10 @@ impl<W, P> DataPlane<W, P> {
         if let Some(seq) = collective {
             self.running.remove(&seq);
             self.last_finished = self.last_finished.max(seq);
-            let live = self.early.split_off(&SeqNo(self.last_finished.0.saturating_add(1)));
-            stale.extend(std::mem::replace(&mut self.early, live).into_values().flatten().map(|f| f.payload));
+            if !self.early.is_empty() {
+                let live = self.early.split_off(&SeqNo(self.last_finished.0.saturating_add(1)));
+                stale.extend(std::mem::replace(&mut self.early, live).into_values().flatten().map(|f| f.payload));
+            }
         }
         Finished { work: self.works.remove(&id).map(|t| t.data), stale }
     }
