@@ -209,6 +209,9 @@ def main():
     else:
         skipped.append("TCP exchange (cc or its source missing)")
     others = {}
+    if a.torch_python and not os.access(a.torch_python, os.X_OK):
+        # Checked before any repetition: found at the end, it would lose every figure of the run.
+        sys.exit(f"--torch-python / COHORT_TORCH_PYTHON: {a.torch_python} is not an executable file")
     if a.torch_python and os.path.exists(a.torch_bench):
         others["torch gloo"] = lambda: torch(a.torch_python, a.torch_bench, a.ranks)
     else:
