@@ -760,7 +760,8 @@ pub enum Inline {
     Queued(WorkId),
 }
 
-/// A started collective that the caller runs to its end itself ([`GroupState::submit_inline`]).
+/// A started collective that the caller runs to its end itself ([`GroupState::submit_inline`]);
+/// inside the group, also a new work's parts on their way into the table.
 #[derive(Debug)]
 #[must_use = "an inline work ends in GroupState::finish_inline or GroupState::adopt_inline"]
 pub struct InlineWork {
@@ -973,7 +974,8 @@ impl GroupState {
     pub fn submit(&mut self, now: Instant, collective: Collective) -> Result<WorkId, SubmitError> {
         let now = self.since_epoch(now);
         let Admitted { id, seq, timeout, record } = self.admit(now, &collective)?;
-        self.enter(now, id, seq, collective, Lifecycle::new(now), timeout, record);
+        let lifecycle = Lifecycle::new(now);
+        self.enter(now, InlineWork { id, seq, collective, lifecycle, timeout, record });
         self.to_launch.push_back(id);
         self.launch_ready();
         Ok(id)
@@ -1025,9 +1027,8 @@ impl GroupState {
     /// started work has, its deadline counted from its submission, and goes on as any other
     /// (its completion comes by [`GroupState::handle_completion`]).
     pub fn adopt_inline(&mut self, work: InlineWork) {
-        let InlineWork { id, seq, collective, lifecycle, timeout, record } = work;
-        let submitted = lifecycle.enqueued_at();
-        self.enter(submitted, id, seq, collective, lifecycle, timeout, record);
+        let id = work.id;
+        self.enter(work.lifecycle.enqueued_at(), work);
         if let Some(w) = self.works.get_mut(&id) {
             w.launched = true;
             self.running += 1;
@@ -1078,18 +1079,10 @@ impl GroupState {
         Ok(Admitted { id, seq, timeout, record })
     }
 
-    /// Work `id`'s entry in the table, with its timers counted from `submitted`.
-    #[allow(clippy::too_many_arguments)] // the parts of one entry, from two callers
-    fn enter(
-        &mut self,
-        submitted: Duration,
-        id: WorkId,
-        seq: SeqNo,
-        collective: Collective,
-        lifecycle: Lifecycle,
-        timeout: Duration,
-        record: Option<RecordId>,
-    ) {
+    /// A work's entry in the table (not launched yet), with its timers counted from
+    /// `submitted`.
+    fn enter(&mut self, submitted: Duration, work: InlineWork) {
+        let InlineWork { id, seq, collective, lifecycle, timeout, record } = work;
         let is_p2p = collective.op.is_p2p();
         self.timers.set(TimerKind::WorkDeadline(id), submitted.saturating_add(timeout));
         if !is_p2p && self.cfg.world_size > 2 {
