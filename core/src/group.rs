@@ -20,6 +20,14 @@
 //! Every submitted work ends exactly once, in an [`Event::WorkFinished`], and works finish in
 //! issue order: a work whose data plane finished early waits for the works before it.
 //!
+//! One exception, for a driver that can run a small collective to its end inside the user's
+//! submit call: [`GroupState::submit_inline`] admits it like any work (checks, sequence number,
+//! flight-recorder entry, desync signature) but, on an idle group, hands it back to the caller
+//! instead of entering it in the table. The caller's next input must be
+//! [`finish_inline`](GroupState::finish_inline), which returns its summary instead of the
+//! event, or [`adopt_inline`](GroupState::adopt_inline), which gives it the usual entry, after
+//! which it goes on as any work.
+//!
 //! Failures are outcomes, not errors. What happens after one depends on [`ErrorHandling`],
 //! which mirrors `TORCH_NCCL_ASYNC_ERROR_HANDLING`.
 

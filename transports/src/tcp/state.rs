@@ -377,11 +377,14 @@ impl DriverState {
     /// the reduction and end the work as the usual path ends it: its summary and output go to
     /// the works finished under this lock, and frames for it are stale from now on.
     pub(crate) fn quick_finish(&mut self, now: Instant, mut exchange: Exchange, effects: &mut Effects) {
-        self.group.handle_peer_activity(now, exchange.peer);
+        let peer = exchange.peer;
         match exchange.reduction.finalize(exchange.tensor.bytes_mut(), 2) {
             Ok(()) => {
                 let Exchange { inline, completer, tensor, .. } = exchange;
+                // The inline work ends before the group hears of anything else (the peer's
+                // activity included): nothing may find it missing from the table.
                 let summary = self.group.finish_inline(now, inline);
+                self.group.handle_peer_activity(now, peer);
                 let finished = self.plane.finish(summary.id, Some(summary.seq));
                 for payload in finished.stale {
                     self.pool.give(payload);
@@ -390,6 +393,7 @@ impl DriverState {
             }
             Err(e) => {
                 let id = self.adopt(exchange, effects).0;
+                self.group.handle_peer_activity(now, peer);
                 self.group.handle_completion(now, id, Completion::Failed { rank: None, message: e.to_string() });
             }
         }
