@@ -760,10 +760,11 @@ struct Admitted {
 /// How [`GroupState::submit_inline`] took a collective.
 #[derive(Debug)]
 #[allow(clippy::large_enum_variant)] // moved once a call: a box would cost the allocation this path saves
-pub enum Inline {
+pub enum Inline<T = ()> {
     /// Started, and with the caller: end it with [`GroupState::finish_inline`] or
-    /// [`GroupState::adopt_inline`] before the group's next input.
-    Running(InlineWork),
+    /// [`GroupState::adopt_inline`] before the group's next input. With it, what the
+    /// submit's `first` gave.
+    Running(InlineWork, T),
     /// Submitted as usual, under this id.
     Queued(WorkId),
 }
@@ -1002,19 +1003,32 @@ impl GroupState {
     /// table's entry and the finished event), which is most of the core's cost for a small
     /// collective (`docs/performance.md`). No input can reach the group while the caller holds
     /// the work, so nothing can see it missing from the table.
-    pub fn submit_inline(&mut self, now: Instant, collective: Collective) -> Result<Inline, SubmitError> {
+    ///
+    /// `first(id, seq)` runs once the work has passed its checks and has its numbers, before its
+    /// flight-recorder entry and desync signature are written, and its result comes back with
+    /// the work: the caller sends the collective's first frame there, so that this bookkeeping
+    /// overlaps the frame's way to the peer. Nobody can see the entry missing meanwhile, since
+    /// the caller holds the state throughout. It does not run for a work submitted the usual way.
+    pub fn submit_inline<T>(
+        &mut self,
+        now: Instant,
+        collective: Collective,
+        first: impl FnOnce(WorkId, SeqNo) -> T,
+    ) -> Result<Inline<T>, SubmitError> {
         let idle = self.works.is_empty() && self.launches.is_empty() && self.running == 0;
         if !idle || collective.op.is_p2p() || !matches!(self.health, Health::Healthy) {
             return self.submit(now, collective).map(Inline::Queued);
         }
         let now = self.since_epoch(now);
-        let Admitted { id, seq, timeout, record } = self.admit(now, &collective)?;
+        let (id, seq, timeout) = self.admit_checks(now, &collective)?;
+        let sent = first(id, seq);
+        let record = self.admit_record(now, &collective, seq, timeout);
         let mut lifecycle = Lifecycle::new(now);
         lifecycle.start(now).expect("a new work can always start");
         if let Some(rid) = record {
             self.recorder.handle_started(rid, now);
         }
-        Ok(Inline::Running(InlineWork { id, seq, collective, lifecycle, timeout, record }))
+        Ok(Inline::Running(InlineWork { id, seq, collective, lifecycle, timeout, record }, sent))
     }
 
     /// Inline work `work` succeeded: it finishes as a work leaving the table finishes (its
@@ -1045,6 +1059,18 @@ impl GroupState {
 
     /// The checks, sequence number, flight-recorder entry and desync signature of a new work.
     fn admit(&mut self, now: Duration, collective: &Collective) -> Result<Admitted, SubmitError> {
+        let (id, seq, timeout) = self.admit_checks(now, collective)?;
+        let record = self.admit_record(now, collective, seq, timeout);
+        Ok(Admitted { id, seq, timeout, record })
+    }
+
+    /// [`GroupState::admit`]'s first half: the checks, then the work's id, sequence number and
+    /// timeout.
+    fn admit_checks(
+        &mut self,
+        now: Duration,
+        collective: &Collective,
+    ) -> Result<(WorkId, SeqNo, Duration), SubmitError> {
         match &self.health {
             Health::Healthy => {}
             Health::Failed(cause) => {
@@ -1058,8 +1084,7 @@ impl GroupState {
         if let Some((&rank, _)) = self.lost.iter().find(|(r, _)| collective.needs_peer(self.rank, **r)) {
             return Err(SubmitError::PeerLost { op: collective.op, rank, reason: self.lost[&rank].clone() });
         }
-        let is_p2p = collective.op.is_p2p();
-        let seq = if is_p2p {
+        let seq = if collective.op.is_p2p() {
             self.p2p_seq.0 += 1;
             self.p2p_seq
         } else {
@@ -1068,9 +1093,20 @@ impl GroupState {
         };
         let id = WorkId(self.next_work);
         self.next_work += 1;
-        let timeout = collective.timeout.unwrap_or(self.cfg.timeout);
+        Ok((id, seq, collective.timeout.unwrap_or(self.cfg.timeout)))
+    }
+
+    /// [`GroupState::admit`]'s second half, for the work numbered last: its flight-recorder
+    /// entry and, for a collective, its desync signature.
+    fn admit_record(
+        &mut self,
+        now: Duration,
+        collective: &Collective,
+        seq: SeqNo,
+        timeout: Duration,
+    ) -> Option<RecordId> {
         let record = self.record(now, collective, seq, timeout);
-        if !is_p2p {
+        if !collective.op.is_p2p() {
             if self.signatures.len() == SIGNATURES_KEPT {
                 self.signatures.pop_front();
             }
@@ -1084,7 +1120,7 @@ impl GroupState {
                 self.census_vote(seq);
             }
         }
-        Ok(Admitted { id, seq, timeout, record })
+        record
     }
 
     /// A work's entry in the table (not launched yet), with its timers counted from
@@ -2210,10 +2246,10 @@ mod tests {
         let (mut usual, mut inline) = (group_at(t0), group_at(t0));
         for i in 0..3 {
             let want = run_usual(&mut usual, ms(10 * i), Some(ms(10 * i + 3))).unwrap();
-            let Inline::Running(w) = inline.submit_inline(ms(10 * i), allreduce(4)).unwrap() else {
-                panic!("an idle group runs it inline")
-            };
+            let first = inline.submit_inline(ms(10 * i), allreduce(4), |id, seq| (id, seq)).unwrap();
+            let Inline::Running(w, numbers) = first else { panic!("an idle group runs it inline") };
             assert_eq!((w.id(), w.seq()), (want.id, want.seq));
+            assert_eq!(numbers, (want.id, want.seq), "`first` ran with the work's numbers");
             assert_eq!(inline.in_flight(), 0, "it stays with the caller");
             assert!(inline.poll_launch().is_none());
             assert_eq!(inline.finish_inline(ms(10 * i + 3), w), want);
@@ -2223,7 +2259,7 @@ mod tests {
 
         // Adopted: it finishes by the usual completion, as the usual work does.
         let want = run_usual(&mut usual, ms(40), Some(ms(45))).unwrap();
-        let Inline::Running(w) = inline.submit_inline(ms(40), allreduce(4)).unwrap() else { panic!() };
+        let Inline::Running(w, ()) = inline.submit_inline(ms(40), allreduce(4), |_, _| ()).unwrap() else { panic!() };
         let id = w.id();
         inline.adopt_inline(w);
         assert_eq!(inline.work_state(id), Some(WorkState::Started));
@@ -2235,7 +2271,7 @@ mod tests {
         // Adopted and never answered: it times out at its submission plus the timeout, with
         // what the usual work's timeout says; both groups then refuse the next submit alike.
         run_usual(&mut usual, ms(50), None);
-        let Inline::Running(w) = inline.submit_inline(ms(50), allreduce(4)).unwrap() else { panic!() };
+        let Inline::Running(w, ()) = inline.submit_inline(ms(50), allreduce(4), |_, _| ()).unwrap() else { panic!() };
         inline.adopt_inline(w);
         for g in [&mut usual, &mut inline] {
             g.handle_timeout(ms(50) + Duration::from_secs(10) - Duration::from_millis(1));
@@ -2253,7 +2289,12 @@ mod tests {
         assert!(ends[0].iter().any(|e| matches!(e, Event::GroupFailed(_))), "{:?}", ends[0]);
         assert_eq!(ends[0], ends[1]);
         assert_eq!(inline.dump(), usual.dump());
-        let refused = |g: &mut GroupState| g.submit_inline(ms(60_000), allreduce(4)).map(|_| ()).unwrap_err();
+        let refused = |g: &mut GroupState| {
+            let mut ran = false;
+            let e = g.submit_inline(ms(60_000), allreduce(4), |_, _| ran = true).map(|_| ()).unwrap_err();
+            assert!(!ran, "`first` does not run for a refused work");
+            e
+        };
         assert_eq!(refused(&mut inline), refused(&mut usual));
     }
 
@@ -2261,15 +2302,17 @@ mod tests {
     fn a_busy_group_submits_an_inline_work_the_usual_way() {
         let (mut g, t0) = group(2, 0, ErrorHandling::CleanUpOnly);
         let a = g.submit(t0, allreduce(4)).unwrap();
-        let b = match g.submit_inline(t0, allreduce(4)).unwrap() {
+        let mut ran = false;
+        let b = match g.submit_inline(t0, allreduce(4), |_, _| ran = true).unwrap() {
             Inline::Queued(b) => b,
-            Inline::Running(w) => panic!("{w:?} ran inline beside work {a}"),
+            Inline::Running(w, ()) => panic!("{w:?} ran inline beside work {a}"),
         };
+        assert!(!ran, "`first` runs only for a work that runs inline");
         assert_eq!(std::iter::from_fn(|| g.poll_launch()).map(|l| l.id).collect::<Vec<_>>(), vec![a, b]);
         // Point-to-point ops never run inline.
         let (mut g, t0) = group(2, 0, ErrorHandling::CleanUpOnly);
         let send = Collective::new(OpType::Send).inputs(vec![TensorSpec::new(DType::F32, &[4])]).peer(Rank(1), 0);
-        assert!(matches!(g.submit_inline(t0, send), Ok(Inline::Queued(_))));
+        assert!(matches!(g.submit_inline(t0, send, |_, _| panic!("not inline")), Ok(Inline::Queued(_))));
     }
 
     #[test]

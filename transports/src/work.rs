@@ -130,6 +130,17 @@ pub struct WorkInfo {
     pub duration: Option<Duration>,
 }
 
+impl WorkInfo {
+    fn of(summary: &WorkSummary) -> WorkInfo {
+        WorkInfo {
+            seq: summary.seq,
+            op: summary.op,
+            state: summary.lifecycle.state(),
+            duration: summary.lifecycle.duration(),
+        }
+    }
+}
+
 /// Called with every finished work (c10d's `register_on_completion_hook`).
 pub type CompletionHook = Arc<dyn Fn(&WorkInfo) + Send + Sync>;
 
@@ -363,6 +374,7 @@ fn move_core(to: Option<usize>) -> Option<usize> {
 /// A group's [`Progress`], shared by its works.
 pub(crate) type ProgressFn = Arc<dyn Progress>;
 
+#[derive(Default)]
 struct Slot {
     summary: Option<WorkSummary>,
     outputs: Option<Vec<Tensor>>,
@@ -390,6 +402,45 @@ struct Shared {
 }
 
 impl Shared {
+    /// A work's shared state, its slot as given.
+    fn new(id: WorkId, seq: SeqNo, op: OpType, slot: Slot) -> Shared {
+        Shared {
+            op,
+            seq,
+            id,
+            source_rank: Mutex::new(None),
+            slot: Mutex::new(slot),
+            cond: Condvar::new(),
+            abort: Mutex::new(None),
+            progress: std::sync::OnceLock::new(),
+            span: tracing::debug_span!(
+                "work",
+                op = %op,
+                seq = seq.0,
+                group = tracing::field::Empty,
+                rank = tracing::field::Empty,
+                state = tracing::field::Empty,
+                duration_us = tracing::field::Empty,
+            ),
+        }
+    }
+
+    /// The work ended as `summary` says: its span and its event.
+    fn note_end(&self, summary: &WorkSummary) {
+        let span = &self.span;
+        span.record("state", span_state(summary.lifecycle.state()));
+        if let Some(d) = summary.lifecycle.duration() {
+            span.record("duration_us", d.as_micros() as u64);
+        }
+        span.in_scope(|| {
+            if summary.result.is_success() {
+                tracing::debug!("work finished");
+            } else {
+                tracing::warn!(result = %summary.result, "work failed");
+            }
+        });
+    }
+
     fn lock(&self) -> MutexGuard<'_, Slot> {
         // A poisoned lock means a waiter panicked while holding it; the slot is still
         // consistent (every write is a single assignment), so keep going.
@@ -433,33 +484,33 @@ pub(crate) struct WorkCompleter {
 impl Work {
     /// A new unfinished work and its completer.
     pub(crate) fn pending(id: WorkId, seq: SeqNo, op: OpType, hook: Option<CompletionHook>) -> (Work, WorkCompleter) {
-        let shared = Arc::new(Shared {
-            op,
-            seq,
-            id,
-            source_rank: Mutex::new(None),
-            slot: Mutex::new(Slot {
-                summary: None,
-                outputs: None,
-                dropped: false,
-                wakers: Vec::new(),
-                relied: false,
-                sleeping: 0,
-            }),
-            cond: Condvar::new(),
-            abort: Mutex::new(None),
-            progress: std::sync::OnceLock::new(),
-            span: tracing::debug_span!(
-                "work",
-                op = %op,
-                seq = seq.0,
-                group = tracing::field::Empty,
-                rank = tracing::field::Empty,
-                state = tracing::field::Empty,
-                duration_us = tracing::field::Empty,
-            ),
-        });
+        let shared = Arc::new(Shared::new(id, seq, op, Slot::default()));
         (Work { shared: shared.clone() }, WorkCompleter { shared, hook, done: false })
+    }
+
+    /// A work that ended before anyone could wait for it (a collective run to its end inside
+    /// its submit call, on `group`'s `rank`): made finished, as [`WorkCompleter::finish_with`]
+    /// would leave it, with the hook run. Call with no lock held.
+    pub(crate) fn finished(
+        summary: WorkSummary,
+        outputs: Vec<Tensor>,
+        hook: Option<CompletionHook>,
+        group: cohort_core::work::GroupId,
+        rank: Rank,
+    ) -> Work {
+        let (id, seq, op) = (summary.id, summary.seq, summary.op);
+        let info = WorkInfo::of(&summary);
+        let mut shared = Shared::new(id, seq, op, Slot::default());
+        shared.span.record("group", group.0).record("rank", rank.0);
+        shared.note_end(&summary);
+        // Not shared yet: no lock to take.
+        *shared.slot.get_mut().unwrap_or_else(|p| p.into_inner()) =
+            Slot { summary: Some(summary), outputs: Some(outputs), ..Slot::default() };
+        let shared = Arc::new(shared);
+        if let Some(hook) = &hook {
+            hook(&info);
+        }
+        Work { shared }
     }
 
     /// Wrap a future as a work (c10d's `FutureWrappingWork`): it succeeds with the future's
@@ -804,24 +855,8 @@ impl WorkCompleter {
 
     /// Finish the work from the core's summary.
     pub(crate) fn finish_with(mut self, summary: WorkSummary, outputs: Vec<Tensor>) {
-        let info = WorkInfo {
-            seq: summary.seq,
-            op: summary.op,
-            state: summary.lifecycle.state(),
-            duration: summary.lifecycle.duration(),
-        };
-        let span = &self.shared.span;
-        span.record("state", span_state(info.state));
-        if let Some(d) = info.duration {
-            span.record("duration_us", d.as_micros() as u64);
-        }
-        span.in_scope(|| {
-            if summary.result.is_success() {
-                tracing::debug!("work finished");
-            } else {
-                tracing::warn!(result = %summary.result, "work failed");
-            }
-        });
+        let info = WorkInfo::of(&summary);
+        self.shared.note_end(&summary);
         self.shared.release(|slot| {
             slot.summary = Some(summary);
             slot.outputs = Some(outputs);

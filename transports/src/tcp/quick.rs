@@ -24,13 +24,15 @@
 //!    ([`GroupState::submit_inline`](cohort_core::group::GroupState::submit_inline)): its
 //!    checks, sequence number, flight-recorder entry and desync signature are any work's, but it
 //!    stays out of the core's table (no deadline timers, launch queue or finished event) and out
-//!    of the data plane's, since it ends before the group's next input; and sends its frame as
-//!    the executor would;
+//!    of the data plane's, since it ends before the group's next input. Its frame goes as the
+//!    executor would send it, as soon as the work has passed its checks and has its sequence
+//!    number (the recorder's entry is written while the frame is on its way);
 //! 3. spins on the ring for up to [`QUICK_WAIT`] for the peer's frame, checks that it is this
 //!    collective's (group, sequence number, step, fingerprint tag, length), combines it into
 //!    the tensor where it lies and finalizes (the executor's order: see the core's property
-//!    test), and ends the work: its flight-recorder entry completes and the `Work` finishes
-//!    as the usual path finishes it, after the lock is released.
+//!    test), and ends the work: its flight-recorder entry completes, and once the lock is
+//!    released its `Work` is made finished, as the usual path would have left it, and the
+//!    completion hook runs.
 //!
 //! Anything else goes to the one state machine: a frame that does not come in time, or any
 //! other frame at the read position, hands the work off as a running collective whose first
@@ -56,7 +58,7 @@ use cohort_core::work::Rank;
 
 use super::collective::Request;
 use super::socket::Waited;
-use super::state::{Allreduce, Payload, QuickStart};
+use super::state::{Allreduce, Payload, QuickEnd, QuickStart};
 use super::{Deferred, Inner};
 use crate::work::Work;
 
@@ -157,13 +159,13 @@ pub(super) fn allreduce(
         readers.iter().find(|r| r.shared_memory_peer() == Some(peer)).cloned()
     };
     let Some(reader) = reader else { return Err((collective, tensors)) };
-    let hook = inner.hook.read().unwrap_or_else(|p| p.into_inner()).clone();
+    let hook = || inner.hook.read().unwrap_or_else(|p| p.into_inner()).clone();
     let mut acc = Deferred::default();
     let mut took = None;
     // The group's state first, then the peer's reading side if nobody else reads it: a
     // drain takes them the other way round, so this thread only tries for the reading side
     // and never waits for it while it holds the state.
-    let (work, last) = inner.input_into(&mut acc, |st, fx| {
+    let (end, last) = inner.input_into(&mut acc, |st, fx| {
         let call = Allreduce { collective, tensors, op };
         let ready = st.quick_plan(&call.tensors, op, peer).and_then(|plan| Some((plan, reader.hold()?)));
         let (plan, mut held) = match ready {
@@ -171,36 +173,33 @@ pub(super) fn allreduce(
             None => {
                 let request = Box::new(Request::allreduce(call.tensors, op));
                 let payload = Payload::Collective { request, run: None };
-                return (st.submit(super::now(), call.collective, payload, hook, fx), None);
+                return (st.submit(super::now(), call.collective, payload, hook(), fx).map(QuickEnd::Work), None);
             }
         };
         let started = super::now();
-        let (work, mut exchange) = match st.quick_start(started, call, plan, hook, fx) {
+        let mut exchange = match st.quick_start(started, call, plan, hook, fx) {
             Err(e) => return (Err(e), None),
-            Ok(QuickStart::Done(work)) => return (Ok(work), None),
-            Ok(QuickStart::Sent(work, exchange)) => (work, exchange),
+            Ok(QuickStart::Done(work)) => return (Ok(QuickEnd::Work(work)), None),
+            Ok(QuickStart::Sent(exchange)) => exchange,
         };
-        // The wall clock, not the runtime's: a paused runtime clock may stand anywhere.
-        let deadline = std::time::Instant::now() + inner.quick.wait();
-        let last = match held.wait_for(deadline, |header, payload| exchange.take(header, payload)) {
+        match held.wait_for(inner.quick.wait(), |header, payload| exchange.take(header, payload)) {
             Waited::Took => {
-                st.quick_finish(super::now(), exchange, fx);
+                let end = st.quick_finish(super::now(), exchange, fx);
                 inner.quick.took();
                 took = Some(started);
-                None
+                (Ok(end), None)
             }
             waited @ (Waited::Other | Waited::Late) => {
-                st.quick_hand_off(super::now(), exchange, false, fx);
+                let work = st.quick_hand_off(super::now(), exchange, false, fx);
                 inner.quick.handed_off(matches!(waited, Waited::Late));
-                None
+                (Ok(QuickEnd::Work(work)), None)
             }
             Waited::End(last) => {
-                st.quick_hand_off(super::now(), exchange, false, fx);
+                let work = st.quick_hand_off(super::now(), exchange, false, fx);
                 inner.quick.handed_off(false);
-                Some(last)
+                (Ok(QuickEnd::Work(work)), Some(last))
             }
-        };
-        (Ok(work), last)
+        }
     });
     if let Some(at) = took {
         // This thread read the ring for its work as a polling thread does: the reader tasks
@@ -213,12 +212,16 @@ pub(super) fn allreduce(
         reader.finish_held(inner, last, &mut acc);
     }
     inner.finish_inputs(acc);
-    if took.is_some() {
-        // Finished already (just above): a wait has nothing to poll for or flush.
-        return Ok(work);
-    }
-    // As the usual submit sets it for a work this small on a group with fast readers.
-    Ok(work.inspect(|w| w.set_progress(inner.progress.clone(), true)))
+    Ok(end.map(|end| match end {
+        // Finished already: a wait has nothing to poll for or flush.
+        QuickEnd::Ended(ended) => ended.into_work(),
+        QuickEnd::Work(work) if took.is_some() => work,
+        // As the usual submit sets it for a work this small on a group with fast readers.
+        QuickEnd::Work(work) => {
+            work.set_progress(inner.progress.clone(), true);
+            work
+        }
+    }))
 }
 
 #[cfg(test)]
@@ -366,6 +369,39 @@ mod tests {
             eprintln!("rank {rank}: {ended} ended in their submit call, {handed_off} handed off");
             // Two threads in step meet within the wait almost every time.
             assert!(ended > 0, "rank {rank}: none of 1,800 allreduces ended in its submit call");
+        }
+    }
+
+    #[test]
+    fn a_work_ended_in_its_submit_call_runs_the_completion_hook_once_before_it_returns() {
+        use cohort_core::work::{OpType, WorkState};
+        let rt = runtime();
+        let pgs = pair(&rt, [opts(true), opts(true)]);
+        for pg in &pgs {
+            pg.inner.quick.wait_ns.store(50_000_000, Ordering::Relaxed);
+        }
+        let seen = on_each(pgs, |pg| {
+            let me = pg.rank().0;
+            let calls = Arc::new(std::sync::Mutex::new(Vec::new()));
+            let c = calls.clone();
+            pg.set_completion_hook(move |info| c.lock().unwrap().push((info.seq.0, info.op, info.state)));
+            for i in 0..200 {
+                let work = pg.allreduce(vec![input(me, i, 1, DType::F32)], ReduceOp::Sum).unwrap();
+                if pg.inner.quick.ended.load(Ordering::Relaxed) as usize == i + 1 {
+                    // It ended in the call: its hook has run, once, and it is finished.
+                    assert!(work.is_completed(), "rank {me}, work {i}");
+                    assert_eq!(calls.lock().unwrap().len(), i + 1, "rank {me}, work {i}: one call by its return");
+                }
+                assert_eq!(work.result().unwrap()[0].to_f64s(), expected(ReduceOp::Sum, i, 1, DType::F32));
+            }
+            pg.shutdown();
+            let ended = pg.inner.quick.ended.load(Ordering::Relaxed);
+            (ended, calls.lock().unwrap().clone())
+        });
+        for (rank, (ended, calls)) in seen.into_iter().enumerate() {
+            assert!(ended > 0, "rank {rank}: none of 200 allreduces ended in its submit call");
+            let want: Vec<_> = (1..=200).map(|s| (s, OpType::Allreduce, WorkState::Completed)).collect();
+            assert_eq!(calls, want, "rank {rank}: one call a work, in order, each completed");
         }
     }
 

@@ -563,11 +563,14 @@ impl Held<'_> {
     /// drained frame's does.
     pub(crate) fn wait_for(
         &mut self,
-        deadline: std::time::Instant,
+        wait: std::time::Duration,
         mut take: impl FnMut(&FrameHeader, &[u8]) -> bool,
     ) -> Waited {
         let Held { asm, ring, path } = self;
         let mut looks = 0u32;
+        // The wall clock, not the runtime's (a paused runtime clock may stand anywhere), read
+        // first after a few looks: a peer in step has sent by then, and then it is not read.
+        let mut deadline = None;
         loop {
             let found = ring.read_in_place(|bytes| match asm.peek_frame(bytes) {
                 // Bytes, but no whole frame at a frame boundary without wrapping.
@@ -596,8 +599,11 @@ impl Held<'_> {
             }
             // The clock costs more than a look at the ring: read it every few looks.
             looks = looks.wrapping_add(1);
-            if looks.is_multiple_of(64) && std::time::Instant::now() >= deadline {
-                return Waited::Late;
+            if looks.is_multiple_of(64) {
+                let now = std::time::Instant::now();
+                if now >= *deadline.get_or_insert(now + wait) {
+                    return Waited::Late;
+                }
             }
             std::hint::spin_loop();
         }

@@ -57,12 +57,30 @@ pub(crate) use super::link::OnWritten;
 /// Works that ended under the lock, to be finished after it is released.
 #[derive(Debug, Default)]
 #[must_use = "finished works must be completed after the lock is released"]
-pub(crate) struct Finished(Vec<(WorkCompleter, WorkSummary, Vec<Tensor>)>);
+pub(crate) struct Finished {
+    /// The first work finished: one input mostly finishes at most one work, and holding it here
+    /// spares that input an allocation.
+    first: Option<Done>,
+    /// The works finished after it, in order.
+    rest: Vec<Done>,
+}
+
+/// A finished work: its completer, summary and outputs.
+type Done = (WorkCompleter, WorkSummary, Vec<Tensor>);
 
 impl Finished {
-    /// Wake every waiter and run the hooks. Call with no lock held.
+    /// A work finished (after those pushed before it).
+    pub(crate) fn push(&mut self, done: Done) {
+        match self.first {
+            None => self.first = Some(done),
+            Some(_) => self.rest.push(done),
+        }
+    }
+
+    /// Wake every waiter and run the hooks, in the order the works finished. Call with no lock
+    /// held.
     pub(crate) fn complete(self) {
-        for (completer, summary, outputs) in self.0 {
+        for (completer, summary, outputs) in self.first.into_iter().chain(self.rest) {
             completer.finish_with(summary, outputs);
         }
     }
@@ -316,18 +334,36 @@ impl DriverState {
         now: Instant,
         call: Allreduce,
         plan: QuickPlan,
-        hook: Option<crate::work::CompletionHook>,
+        hook: impl FnOnce() -> Option<crate::work::CompletionHook>,
         effects: &mut Effects,
     ) -> Result<QuickStart, SubmitError> {
         let QuickPlan { reduction, peer, step } = plan;
         let Allreduce { collective, mut tensors, op } = call;
         let fingerprint =
             Some(Fingerprint { op: collective.op, dtype: Some(tensors[0].dtype()), root: collective.root });
-        let inline = match self.group.submit_inline(now, collective)? {
-            Inline::Running(inline) => inline,
+        let tag = fingerprint.map_or(0, Fingerprint::to_tag);
+        let mode = self.mode();
+        let linked = self.lanes_for(peer).is_some();
+        let (gid, me) = (self.gid, self.me);
+        // The frame goes out as soon as the work is numbered, before its flight-recorder entry
+        // and before its `Work` is made: those overlap the frame's way to the peer.
+        let DriverState { group, writers, pool, on_written, .. } = &mut *self;
+        let tensor = &tensors[0];
+        let send = |id: WorkId, seq: SeqNo| {
+            if !linked {
+                return Sent::Gone;
+            }
+            let mut header = FrameHeader::data(gid, seq, step, me, tensor.nbytes() as u64);
+            header.tag = tag;
+            let written = || Some(super::link::Written { id, hook: on_written.0.clone() });
+            let lane = writers.get(&peer).and_then(|l| l.lane_for(&header, tensor.nbytes()));
+            lane.map_or(Sent::Gone, |l| l.send_slice(header, tensor.bytes(), written, mode, |b| pool.bytes(b)))
+        };
+        let (inline, sent) = match group.submit_inline(now, collective, send)? {
+            Inline::Running(inline, sent) => (inline, sent),
             Inline::Queued(id) => {
                 // The core had something in flight after all: the usual path takes it.
-                let (work, completer) = Work::pending(id, self.group.seq(), OpType::Allreduce, hook);
+                let (work, completer) = Work::pending(id, self.group.seq(), OpType::Allreduce, hook());
                 completer.in_group(self.gid, self.me);
                 let payload = Payload::Collective { request: Box::new(Request::allreduce(tensors, op)), run: None };
                 self.plane.track(id, fingerprint, Pending { completer, payload, outputs: Vec::new() });
@@ -338,34 +374,15 @@ impl DriverState {
                 return Ok(QuickStart::Done(work));
             }
         };
-        let (id, seq) = (inline.id(), inline.seq());
-        let (work, completer) = Work::pending(id, seq, OpType::Allreduce, hook);
-        completer.in_group(self.gid, self.me);
+        let hook = hook();
         let tensor = tensors.pop().expect("one tensor, checked above");
-        let tag = fingerprint.map_or(0, Fingerprint::to_tag);
-        let mut header = FrameHeader::data(self.gid, seq, step, self.me, tensor.nbytes() as u64);
-        header.tag = tag;
-        let mode = self.mode();
-        let sent = match self.lanes_for(peer).is_some() {
-            false => Sent::Gone,
-            true => {
-                let DriverState { writers, pool, on_written, .. } = &*self;
-                let written = || Some(super::link::Written { id, hook: on_written.0.clone() });
-                let lane = writers.get(&peer).and_then(|l| l.lane_for(&header, tensor.nbytes()));
-                lane.map_or(Sent::Gone, |l| l.send_slice(header, tensor.bytes(), written, mode, |b| pool.bytes(b)))
-            }
-        };
-        let exchange =
-            Exchange { inline, completer, fingerprint, peer, step, tag, gid: self.gid, tensor, reduction, op };
+        let exchange = Exchange { inline, hook, fingerprint, peer, step, tag, gid: self.gid, tensor, reduction, op };
         match sent {
-            Sent::Written => Ok(QuickStart::Sent(work, exchange)),
-            Sent::Queued => {
-                // It waits for the writer task: the usual path waits for it too.
-                self.quick_hand_off(now, exchange, true, effects);
-                Ok(QuickStart::Done(work))
-            }
+            Sent::Written => Ok(QuickStart::Sent(exchange)),
+            // It waits for the writer task: the usual path waits for it too.
+            Sent::Queued => Ok(QuickStart::Done(self.quick_hand_off(now, exchange, true, effects))),
             Sent::Gone => {
-                let id = self.adopt(exchange, effects).0;
+                let (id, _, work) = self.adopt(exchange, effects);
                 self.group.handle_completion(now, id, dataplane::link_gone(peer));
                 self.drain(now, effects);
                 Ok(QuickStart::Done(work))
@@ -374,13 +391,13 @@ impl DriverState {
     }
 
     /// The peer's frame was combined into the exchange's tensor ([`Exchange::take`]): finish
-    /// the reduction and end the work as the usual path ends it: its summary and output go to
-    /// the works finished under this lock, and frames for it are stale from now on.
-    pub(crate) fn quick_finish(&mut self, now: Instant, mut exchange: Exchange, effects: &mut Effects) {
+    /// the reduction and end the work as the usual path ends it (frames for it are stale from
+    /// now on). Its `Work` is made when the lock is released ([`QuickEnd::Ended`]).
+    pub(crate) fn quick_finish(&mut self, now: Instant, mut exchange: Exchange, effects: &mut Effects) -> QuickEnd {
         let peer = exchange.peer;
-        match exchange.reduction.finalize(exchange.tensor.bytes_mut(), 2) {
+        let end = match exchange.reduction.finalize(exchange.tensor.bytes_mut(), 2) {
             Ok(()) => {
-                let Exchange { inline, completer, tensor, .. } = exchange;
+                let Exchange { inline, hook, tensor, .. } = exchange;
                 // The inline work ends before the group hears of anything else (the peer's
                 // activity included): nothing may find it missing from the table.
                 let summary = self.group.finish_inline(now, inline);
@@ -389,23 +406,31 @@ impl DriverState {
                 for payload in finished.stale {
                     self.pool.give(payload);
                 }
-                effects.finished.0.push((completer, summary, vec![tensor]));
+                QuickEnd::Ended(Ended { summary, tensor, hook, group: self.gid, rank: self.me })
             }
             Err(e) => {
-                let id = self.adopt(exchange, effects).0;
+                let (id, _, work) = self.adopt(exchange, effects);
                 self.group.handle_peer_activity(now, peer);
                 self.group.handle_completion(now, id, Completion::Failed { rank: None, message: e.to_string() });
+                QuickEnd::Work(work)
             }
-        }
+        };
         self.drain(now, effects);
+        end
     }
 
     /// The peer's frame did not come in time, something else came first, or this rank's frame
     /// waits for the writer task (`queued`): the work goes on as any running collective whose
     /// first frame has gone (timeouts, stuck notes, desync checks and failures then apply as to
     /// every other).
-    pub(crate) fn quick_hand_off(&mut self, now: Instant, exchange: Exchange, queued: bool, effects: &mut Effects) {
-        let (id, Adopted { seq, peer, step, tensor, op }) = self.adopt(exchange, effects);
+    pub(crate) fn quick_hand_off(
+        &mut self,
+        now: Instant,
+        exchange: Exchange,
+        queued: bool,
+        effects: &mut Effects,
+    ) -> Work {
+        let (id, Adopted { seq, peer, step, tensor, op }, work) = self.adopt(exchange, effects);
         if queued {
             self.count_sent(id, peer, Sent::Queued);
         }
@@ -428,18 +453,22 @@ impl DriverState {
             Err(message) => self.group.handle_completion(now, id, Completion::Failed { rank: None, message }),
         }
         self.drain(now, effects);
+        work
     }
 
     /// Give the exchange's inline work the usual entries, the core's table and this data
-    /// plane's tracking (its data still with the exchange, which is given back).
-    fn adopt(&mut self, exchange: Exchange, effects: &mut Effects) -> (WorkId, Adopted) {
-        let Exchange { inline, completer, fingerprint, peer, step, tensor, op, .. } = exchange;
+    /// plane's tracking (its data still with the exchange, which is given back), and its
+    /// `Work`.
+    fn adopt(&mut self, exchange: Exchange, effects: &mut Effects) -> (WorkId, Adopted, Work) {
+        let Exchange { inline, hook, fingerprint, peer, step, tensor, op, .. } = exchange;
         let (id, seq) = (inline.id(), inline.seq());
+        let (work, completer) = Work::pending(id, seq, OpType::Allreduce, hook);
+        completer.in_group(self.gid, self.me);
         self.group.adopt_inline(inline);
         let payload = Payload::Collective { request: Box::new(Request::Taken), run: None };
         self.plane.track(id, fingerprint, Pending { completer, payload, outputs: Vec::new() });
         effects.rearm_timer = true;
-        (id, Adopted { seq, peer, step, tensor, op })
+        (id, Adopted { seq, peer, step, tensor, op }, work)
     }
 
     /// A frame from `from`.
@@ -932,7 +961,7 @@ impl DriverState {
                 }
                 self.p2p.forget(summary.id);
                 if let Some(p) = finished.work {
-                    effects.finished.0.push((p.completer, summary, p.outputs));
+                    effects.finished.push((p.completer, summary, p.outputs));
                 }
             }
             Event::PeerLost { rank, reason } => {
@@ -968,7 +997,32 @@ pub(crate) enum QuickStart {
     /// The work is on the usual path already (or ended: its link is gone).
     Done(Work),
     /// Its frame went: wait for the peer's.
-    Sent(Work, Exchange),
+    Sent(Exchange),
+}
+
+/// How [`DriverState::quick_finish`] ended a collective.
+pub(crate) enum QuickEnd {
+    /// It succeeded: make its `Work` once the lock is released.
+    Ended(Ended),
+    /// It failed, on the usual path: here is its `Work`.
+    Work(Work),
+}
+
+/// A collective that succeeded in its submit call, whose `Work` is yet to be made.
+pub(crate) struct Ended {
+    summary: WorkSummary,
+    tensor: Tensor,
+    hook: Option<crate::work::CompletionHook>,
+    group: GroupId,
+    rank: Rank,
+}
+
+impl Ended {
+    /// Its finished `Work`, its completion hook run. Call with no lock held.
+    pub(crate) fn into_work(self) -> Work {
+        let Ended { summary, tensor, hook, group, rank } = self;
+        Work::finished(summary, vec![tensor], hook, group, rank)
+    }
 }
 
 /// A user's allreduce, as [`DriverState::quick_start`] takes it and gives it back.
@@ -982,7 +1036,8 @@ pub(crate) struct Allreduce {
 pub(crate) struct Exchange {
     /// The core's side of it, kept out of the core's table until it ends or is handed off.
     inline: InlineWork,
-    completer: WorkCompleter,
+    /// The user's completion hook, for the `Work` made when it ends or is handed off.
+    hook: Option<crate::work::CompletionHook>,
     fingerprint: Option<Fingerprint>,
     peer: Rank,
     step: u32,
@@ -1039,5 +1094,50 @@ pub(crate) fn deliver(st: &mut DriverState, fx: &mut Effects, inbound: Inbound) 
     match inbound {
         Inbound::Frame { from, header, payload } => st.handle_frame(super::now(), from, header, payload, fx),
         Inbound::Closed { from, reason, clean } => st.handle_closed(super::now(), from, reason, clean, fx),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::{Arc, Mutex};
+    use std::time::Duration;
+
+    use cohort_core::group::WorkSummary;
+    use cohort_core::work::{Lifecycle, OpType, SeqNo, WorkId, WorkResult, WorkState};
+
+    use super::Finished;
+    use crate::work::{CompletionHook, Work};
+
+    #[test]
+    fn finished_works_complete_in_the_order_they_finished() {
+        for n in [0, 1, 2, 5] {
+            let order = Arc::new(Mutex::new(Vec::new()));
+            let hook: CompletionHook = {
+                let order = order.clone();
+                Arc::new(move |info| order.lock().unwrap().push(info.seq.0))
+            };
+            let mut finished = Finished::default();
+            let mut works = Vec::new();
+            for i in 0..n {
+                let (work, completer) = Work::pending(WorkId(i), SeqNo(i), OpType::Allreduce, Some(hook.clone()));
+                let mut lifecycle = Lifecycle::new(Duration::ZERO);
+                lifecycle.start(Duration::ZERO).unwrap();
+                lifecycle.finish(Duration::from_millis(1), WorkState::Completed).unwrap();
+                let summary = WorkSummary {
+                    id: WorkId(i),
+                    seq: SeqNo(i),
+                    is_p2p: false,
+                    op: OpType::Allreduce,
+                    result: WorkResult::Success,
+                    lifecycle,
+                };
+                finished.push((completer, summary, Vec::new()));
+                works.push(work);
+            }
+            assert!(works.iter().all(|w| !w.is_completed()), "nothing completes before `complete`");
+            finished.complete();
+            assert!(works.iter().all(Work::is_completed));
+            assert_eq!(*order.lock().unwrap(), (0..n).collect::<Vec<_>>(), "{n} works");
+        }
     }
 }
