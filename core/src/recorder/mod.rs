@@ -100,11 +100,17 @@ impl Default for RecorderConfig {
 /// It names one record for the life of the recorder: once the entry has been overwritten, or a
 /// [`reset`](FlightRecorder::reset) has begun a new epoch, transitions with it do nothing.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
-pub struct RecordId(u64);
+pub struct RecordId {
+    /// Which record (counting every record ever made).
+    seq: u64,
+    /// Its slot in the ring, `seq % capacity`, kept so that a transition finds it without a
+    /// division.
+    index: usize,
+}
 
 impl fmt::Display for RecordId {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "record#{}", self.0)
+        write!(f, "record#{}", self.seq)
     }
 }
 
@@ -254,8 +260,11 @@ pub struct FlightRecorder {
     reset_at: Option<Duration>,
     /// Interned `(pg_id, name, desc)` triples that entries point at.
     groups: Vec<GroupKey>,
-    /// `pg_status`, by pg id.
-    statuses: BTreeMap<u64, PgStatus>,
+    /// `pg_status`, by pg id: the index of each group's in `status_slots`.
+    statuses: BTreeMap<u64, u32>,
+    /// The `pg_status`es, in the order their groups were first seen (an interned group names
+    /// its own, so that a transition finds it without a lookup).
+    status_slots: Vec<PgStatus>,
     /// `pg_config`: name → (desc, ranks as runs of consecutive ranks, first and last): a group
     /// of consecutive ranks, the world's above all, costs one run however many ranks it has.
     pg_config: BTreeMap<Box<str>, (Box<str>, RankRuns)>,
@@ -270,6 +279,8 @@ struct GroupKey {
     pg_id: u64,
     name: Box<str>,
     desc: Box<str>,
+    /// Its `pg_status` in `status_slots`.
+    status: u32,
 }
 
 /// The ring's slots, made in chunks of [`Slots::CHUNK`] as the ring fills: a recorder holds
@@ -358,6 +369,7 @@ impl FlightRecorder {
             reset_at: None,
             groups: Vec::new(),
             statuses: BTreeMap::new(),
+            status_slots: Vec::new(),
             pg_config: BTreeMap::new(),
             names: Vec::new(),
             name_index: HashMap::new(),
@@ -406,7 +418,7 @@ impl FlightRecorder {
         }
         runs.shrink_to_fit();
         self.pg_config.insert(name.into(), (desc.into(), runs));
-        self.statuses.entry(pg_id).or_default();
+        self.status_index(pg_id);
     }
 
     /// Record a work enqueued at `now`; returns the id for its transitions, or `None` when the
@@ -426,8 +438,7 @@ impl FlightRecorder {
         let seq = self.recorded;
         self.recorded += 1;
         if !req.is_p2p {
-            let status = self.statuses.entry(req.pg_id).or_default();
-            status.last_enqueued_collective = seq_to_status(req.collective_seq_id);
+            self.status_of(group).last_enqueued_collective = seq_to_status(req.collective_seq_id);
         }
 
         let index = (seq % capacity as u64) as usize;
@@ -460,7 +471,7 @@ impl FlightRecorder {
         for t in req.inputs.iter().chain(req.outputs) {
             slot.push_tensor(t.dtype(), t.shape());
         }
-        Some(RecordId(seq))
+        Some(RecordId { seq, index })
     }
 
     /// The work `id` started at `now` (`time_discovered_started_ns`; `state` becomes
@@ -548,7 +559,7 @@ impl FlightRecorder {
         self.epoch += 1;
         self.epoch_start = self.recorded;
         self.reset_at = Some(now);
-        for status in self.statuses.values_mut() {
+        for status in &mut self.status_slots {
             *status = PgStatus::default();
         }
     }
@@ -565,7 +576,7 @@ impl FlightRecorder {
                 (name.to_string(), config)
             })
             .collect();
-        let pg_status = self.statuses.iter().map(|(id, s)| (id.to_string(), *s)).collect();
+        let pg_status = self.statuses.iter().map(|(id, &i)| (id.to_string(), self.status_slots[i as usize])).collect();
         let first = self.recorded.saturating_sub(self.slots.len() as u64).max(self.epoch_start);
         let capacity = self.config.capacity.max(1) as u64;
         let entries = (first..self.recorded)
@@ -644,23 +655,33 @@ impl FlightRecorder {
     /// The slot still holding record `id` of the current epoch, if any.
     fn live_slot(&mut self, id: RecordId) -> Option<&mut Slot> {
         let capacity = self.config.capacity as u64;
-        if capacity == 0 || id.0 < self.epoch_start {
+        if capacity == 0 || id.seq < self.epoch_start {
             return None;
         }
-        self.slots.get_mut((id.0 % capacity) as usize).filter(|slot| slot.seq == id.0)
+        self.slots.get_mut(id.index).filter(|slot| slot.seq == id.seq)
     }
 
     /// The `pg_status` of interned group `group`.
     fn status_of(&mut self, group: u32) -> &mut PgStatus {
-        let pg_id = self.groups[group as usize].pg_id;
-        self.statuses.entry(pg_id).or_default()
+        &mut self.status_slots[self.groups[group as usize].status as usize]
+    }
+
+    /// The index of `pg_id`'s `pg_status` in `status_slots`, made at `-1` if it has none.
+    fn status_index(&mut self, pg_id: u64) -> u32 {
+        let next = u32::try_from(self.status_slots.len()).expect("fewer than 2^32 distinct process groups");
+        let index = *self.statuses.entry(pg_id).or_insert(next);
+        if index == next {
+            self.status_slots.push(PgStatus::default());
+        }
+        index
     }
 
     fn intern_group<T>(&mut self, req: &RecordRequest<'_, T>) -> u32 {
         let found =
             self.groups.iter().position(|g| g.pg_id == req.pg_id && *g.name == *req.pg_name && *g.desc == *req.pg_desc);
         let index = found.unwrap_or_else(|| {
-            self.groups.push(GroupKey { pg_id: req.pg_id, name: req.pg_name.into(), desc: req.pg_desc.into() });
+            let status = self.status_index(req.pg_id);
+            self.groups.push(GroupKey { pg_id: req.pg_id, name: req.pg_name.into(), desc: req.pg_desc.into(), status });
             self.groups.len() - 1
         });
         u32::try_from(index).expect("fewer than 2^32 distinct process groups")
