@@ -403,7 +403,7 @@ struct Shared {
 
 impl Shared {
     /// A work's shared state, its slot as given.
-    fn new(id: WorkId, seq: SeqNo, op: OpType, slot: Slot) -> Shared {
+    fn new(id: WorkId, seq: SeqNo, op: OpType, slot: Slot, span: tracing::Span) -> Shared {
         Shared {
             op,
             seq,
@@ -413,21 +413,25 @@ impl Shared {
             cond: Condvar::new(),
             abort: Mutex::new(None),
             progress: std::sync::OnceLock::new(),
-            span: tracing::debug_span!(
-                "work",
-                op = %op,
-                seq = seq.0,
-                group = tracing::field::Empty,
-                rank = tracing::field::Empty,
-                state = tracing::field::Empty,
-                duration_us = tracing::field::Empty,
-            ),
+            span,
         }
     }
 
+    /// A work's `tracing` span, from submit to finish.
+    fn span(op: OpType, seq: SeqNo) -> tracing::Span {
+        tracing::debug_span!(
+            "work",
+            op = %op,
+            seq = seq.0,
+            group = tracing::field::Empty,
+            rank = tracing::field::Empty,
+            state = tracing::field::Empty,
+            duration_us = tracing::field::Empty,
+        )
+    }
+
     /// The work ended as `summary` says: its span and its event.
-    fn note_end(&self, summary: &WorkSummary) {
-        let span = &self.span;
+    fn note_end(span: &tracing::Span, summary: &WorkSummary) {
         span.record("state", span_state(summary.lifecycle.state()));
         if let Some(d) = summary.lifecycle.duration() {
             span.record("duration_us", d.as_micros() as u64);
@@ -484,7 +488,7 @@ pub(crate) struct WorkCompleter {
 impl Work {
     /// A new unfinished work and its completer.
     pub(crate) fn pending(id: WorkId, seq: SeqNo, op: OpType, hook: Option<CompletionHook>) -> (Work, WorkCompleter) {
-        let shared = Arc::new(Shared::new(id, seq, op, Slot::default()));
+        let shared = Arc::new(Shared::new(id, seq, op, Slot::default(), Shared::span(op, seq)));
         (Work { shared: shared.clone() }, WorkCompleter { shared, hook, done: false })
     }
 
@@ -500,17 +504,15 @@ impl Work {
     ) -> Work {
         let (id, seq, op) = (summary.id, summary.seq, summary.op);
         let info = WorkInfo::of(&summary);
-        let mut shared = Shared::new(id, seq, op, Slot::default());
-        shared.span.record("group", group.0).record("rank", rank.0);
-        shared.note_end(&summary);
-        // Not shared yet: no lock to take.
-        *shared.slot.get_mut().unwrap_or_else(|p| p.into_inner()) =
-            Slot { summary: Some(summary), outputs: Some(outputs), ..Slot::default() };
-        let shared = Arc::new(shared);
+        let span = Shared::span(op, seq);
+        span.record("group", group.0).record("rank", rank.0);
+        Shared::note_end(&span, &summary);
+        let slot = Slot { summary: Some(summary), outputs: Some(outputs), ..Slot::default() };
+        let work = Work { shared: Arc::new(Shared::new(id, seq, op, slot, span)) };
         if let Some(hook) = &hook {
             hook(&info);
         }
-        Work { shared }
+        work
     }
 
     /// Wrap a future as a work (c10d's `FutureWrappingWork`): it succeeds with the future's
@@ -856,7 +858,7 @@ impl WorkCompleter {
     /// Finish the work from the core's summary.
     pub(crate) fn finish_with(mut self, summary: WorkSummary, outputs: Vec<Tensor>) {
         let info = WorkInfo::of(&summary);
-        self.shared.note_end(&summary);
+        Shared::note_end(&self.shared.span, &summary);
         self.shared.release(|slot| {
             slot.summary = Some(summary);
             slot.outputs = Some(outputs);

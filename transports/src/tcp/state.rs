@@ -57,13 +57,7 @@ pub(crate) use super::link::OnWritten;
 /// Works that ended under the lock, to be finished after it is released.
 #[derive(Debug, Default)]
 #[must_use = "finished works must be completed after the lock is released"]
-pub(crate) struct Finished {
-    /// The first work finished: one input mostly finishes at most one work, and holding it here
-    /// spares that input an allocation.
-    first: Option<Done>,
-    /// The works finished after it, in order.
-    rest: Vec<Done>,
-}
+pub(crate) struct Finished(Vec<Done>);
 
 /// A finished work: its completer, summary and outputs.
 type Done = (WorkCompleter, WorkSummary, Vec<Tensor>);
@@ -71,16 +65,13 @@ type Done = (WorkCompleter, WorkSummary, Vec<Tensor>);
 impl Finished {
     /// A work finished (after those pushed before it).
     pub(crate) fn push(&mut self, done: Done) {
-        match self.first {
-            None => self.first = Some(done),
-            Some(_) => self.rest.push(done),
-        }
+        self.0.push(done);
     }
 
     /// Wake every waiter and run the hooks, in the order the works finished. Call with no lock
     /// held.
     pub(crate) fn complete(self) {
-        for (completer, summary, outputs) in self.first.into_iter().chain(self.rest) {
+        for (completer, summary, outputs) in self.0 {
             completer.finish_with(summary, outputs);
         }
     }
