@@ -633,10 +633,11 @@ impl ProcessGroup {
     /// Reduce `tensors` across ranks with `op`; every rank gets the result. Several tensors on
     /// one rank are reduced together (as Gloo does) and every one receives the result.
     pub fn allreduce(&self, tensors: Vec<Tensor>, op: ReduceOp) -> Result<Work, SubmitError> {
+        let quick = quick::reader_for(&self.inner, &tensors);
         let c = Collective::new(OpType::Allreduce).inputs(specs(&tensors));
-        match quick::allreduce(&self.inner, c, tensors, op) {
-            Ok(done) => done,
-            Err((c, tensors)) => self.collective(c, Request::allreduce(tensors, op)),
+        match quick {
+            Some(reader) => quick::allreduce(&self.inner, reader, c, tensors, op),
+            None => self.collective(c, Request::allreduce(tensors, op)),
         }
     }
 

@@ -57,7 +57,7 @@ use cohort_core::tensor::Tensor;
 use cohort_core::work::Rank;
 
 use super::collective::Request;
-use super::socket::Waited;
+use super::socket::{FastReader, Waited};
 use super::state::{Allreduce, Payload, QuickEnd, QuickStart};
 use super::{Deferred, Inner};
 use crate::work::Work;
@@ -138,27 +138,31 @@ impl Gate {
     }
 }
 
-/// Submit `tensors`' allreduce, running it in this call if it may (see the module docs), else
-/// the usual way under the same hold of the group's state; or give the collective and the
-/// tensors back at once when the group cannot take this path at all.
-#[allow(clippy::result_large_err)] // the `Err` side hands the caller's own arguments back
+/// The peer's reading side, when `tensors`' allreduce may try this path (see the module
+/// docs): two ranks, one small tensor, the path on and not skipping, and the peer's frames
+/// coming through shared memory.
+pub(super) fn reader_for(inner: &Inner, tensors: &[Tensor]) -> Option<Arc<FastReader>> {
+    let small = matches!(tensors, [t] if t.nbytes() <= QUICK_MAX_BYTES);
+    if !small || inner.world_size != 2 || !inner.opts.shm_quick || inner.opts.busy_poll.is_zero() || inner.quick.skip()
+    {
+        return None;
+    }
+    let peer = Rank(1 - inner.rank.0);
+    let readers = inner.readers.read().unwrap_or_else(|p| p.into_inner());
+    readers.iter().find(|r| r.shared_memory_peer() == Some(peer)).cloned()
+}
+
+/// Submit `tensors`' allreduce, which [`reader_for`] let onto this path, reading the peer's
+/// frames from `reader`: run it in this call if it may (see the module docs), else the usual
+/// way under the same hold of the group's state.
 pub(super) fn allreduce(
     inner: &Arc<Inner>,
+    reader: Arc<FastReader>,
     collective: Collective,
     tensors: Vec<Tensor>,
     op: ReduceOp,
-) -> Result<Result<Work, SubmitError>, (Collective, Vec<Tensor>)> {
-    let small = matches!(&tensors[..], [t] if t.nbytes() <= QUICK_MAX_BYTES);
-    if !small || inner.world_size != 2 || !inner.opts.shm_quick || inner.opts.busy_poll.is_zero() || inner.quick.skip()
-    {
-        return Err((collective, tensors));
-    }
+) -> Result<Work, SubmitError> {
     let peer = Rank(1 - inner.rank.0);
-    let reader = {
-        let readers = inner.readers.read().unwrap_or_else(|p| p.into_inner());
-        readers.iter().find(|r| r.shared_memory_peer() == Some(peer)).cloned()
-    };
-    let Some(reader) = reader else { return Err((collective, tensors)) };
     let hook = || inner.hook.read().unwrap_or_else(|p| p.into_inner()).clone();
     let mut acc = Deferred::default();
     let mut took = None;
@@ -212,7 +216,7 @@ pub(super) fn allreduce(
         reader.finish_held(inner, last, &mut acc);
     }
     inner.finish_inputs(acc);
-    Ok(end.map(|end| match end {
+    end.map(|end| match end {
         // Finished already: a wait has nothing to poll for or flush.
         QuickEnd::Ended(ended) => ended.into_work(),
         QuickEnd::Work(work) if took.is_some() => work,
@@ -221,7 +225,7 @@ pub(super) fn allreduce(
             work.set_progress(inner.progress.clone(), true);
             work
         }
-    }))
+    })
 }
 
 #[cfg(test)]
