@@ -23,7 +23,8 @@
 //! One exception, for a driver that can run a small collective to its end inside the user's
 //! submit call: [`GroupState::submit_inline`] admits it like any work (checks, sequence number,
 //! flight-recorder entry, desync signature) but, on an idle group, hands it back to the caller
-//! instead of entering it in the table. The caller's next input must be
+//! instead of entering it in the table (a busy group takes nothing this way, and the caller
+//! submits as usual). The caller's next input must be
 //! [`finish_inline`](GroupState::finish_inline), which returns its summary instead of the
 //! event, or [`adopt_inline`](GroupState::adopt_inline), which gives it the usual entry, after
 //! which it goes on as any work.
@@ -765,8 +766,9 @@ pub enum Inline<T = ()> {
     /// [`GroupState::adopt_inline`] before the group's next input. With it, what the
     /// submit's `first` gave.
     Running(InlineWork, T),
-    /// Submitted as usual, under this id.
-    Queued(WorkId),
+    /// Not taken: the group is busy or not healthy, or the op is point-to-point. Submit the
+    /// collective with [`GroupState::submit`].
+    Busy,
 }
 
 /// A started collective that the caller runs to its end itself ([`GroupState::submit_inline`]);
@@ -776,7 +778,7 @@ pub enum Inline<T = ()> {
 pub struct InlineWork {
     id: WorkId,
     seq: SeqNo,
-    collective: Collective,
+    op: OpType,
     lifecycle: Lifecycle,
     timeout: Duration,
     record: Option<RecordId>,
@@ -984,7 +986,7 @@ impl GroupState {
         let now = self.since_epoch(now);
         let Admitted { id, seq, timeout, record } = self.admit(now, &collective)?;
         let lifecycle = Lifecycle::new(now);
-        self.enter(now, InlineWork { id, seq, collective, lifecycle, timeout, record });
+        self.enter(now, InlineWork { id, seq, op: collective.op, lifecycle, timeout, record }, collective);
         self.to_launch.push_back(id);
         self.launch_ready();
         Ok(id)
@@ -994,8 +996,9 @@ impl GroupState {
     /// to this group, if the group is idle (nothing in flight, nothing to launch) and healthy:
     /// it starts now and stays with the caller ([`Inline::Running`]), outside the group's table
     /// of works, until [`GroupState::finish_inline`] ends it or [`GroupState::adopt_inline`]
-    /// gives it the usual entry. Otherwise it is submitted as [`GroupState::submit`] submits
-    /// it ([`Inline::Queued`]).
+    /// gives it the usual entry. Otherwise ([`Inline::Busy`]) nothing happens, and the caller
+    /// submits it with [`GroupState::submit`]. The caller keeps the collective: the inline work
+    /// needs it back only if it is adopted.
     ///
     /// What every work gets it gets here too: the checks, the sequence number, the
     /// flight-recorder entry and the desync signature. A work that ends within its submit call
@@ -1008,27 +1011,28 @@ impl GroupState {
     /// flight-recorder entry and desync signature are written, and its result comes back with
     /// the work: the caller sends the collective's first frame there, so that this bookkeeping
     /// overlaps the frame's way to the peer. Nobody can see the entry missing meanwhile, since
-    /// the caller holds the state throughout. It does not run for a work submitted the usual way.
+    /// the caller holds the state throughout. It does not run for a work the group refuses or
+    /// does not take.
     pub fn submit_inline<T>(
         &mut self,
         now: Instant,
-        collective: Collective,
+        collective: &Collective,
         first: impl FnOnce(WorkId, SeqNo) -> T,
     ) -> Result<Inline<T>, SubmitError> {
         let idle = self.works.is_empty() && self.launches.is_empty() && self.running == 0;
         if !idle || collective.op.is_p2p() || !matches!(self.health, Health::Healthy) {
-            return self.submit(now, collective).map(Inline::Queued);
+            return Ok(Inline::Busy);
         }
         let now = self.since_epoch(now);
-        let (id, seq, timeout) = self.admit_checks(now, &collective)?;
+        let (id, seq, timeout) = self.admit_checks(now, collective)?;
         let sent = first(id, seq);
-        let record = self.admit_record(now, &collective, seq, timeout);
+        let record = self.admit_record(now, collective, seq, timeout);
         let mut lifecycle = Lifecycle::new(now);
         lifecycle.start(now).expect("a new work can always start");
         if let Some(rid) = record {
             self.recorder.handle_started(rid, now);
         }
-        Ok(Inline::Running(InlineWork { id, seq, collective, lifecycle, timeout, record }, sent))
+        Ok(Inline::Running(InlineWork { id, seq, op: collective.op, lifecycle, timeout, record }, sent))
     }
 
     /// Inline work `work` succeeded: it finishes as a work leaving the table finishes (its
@@ -1036,21 +1040,22 @@ impl GroupState {
     /// [`Event::WorkFinished`].
     pub fn finish_inline(&mut self, now: Instant, work: InlineWork) -> WorkSummary {
         let now = self.since_epoch(now);
-        let InlineWork { id, seq, collective, mut lifecycle, record, .. } = work;
+        let InlineWork { id, seq, op, mut lifecycle, record, .. } = work;
         let result = WorkResult::Success;
         lifecycle.finish(now, result.terminal_state()).expect("a started work can finish");
         if let Some(rid) = record {
             self.recorder.handle_finished(rid, now, &result);
         }
-        WorkSummary { id, seq, is_p2p: false, op: collective.op, result, lifecycle }
+        WorkSummary { id, seq, is_p2p: false, op, result, lifecycle }
     }
 
-    /// Inline work `work` does not end at once after all: it takes the entry a submitted and
-    /// started work has, its deadline counted from its submission, and goes on as any other
-    /// (its completion comes by [`GroupState::handle_completion`]).
-    pub fn adopt_inline(&mut self, work: InlineWork) {
+    /// Inline work `work` (of `collective`, the one it was submitted for) does not end at once
+    /// after all: it takes the entry a submitted and started work has, its deadline counted
+    /// from its submission, and goes on as any other (its completion comes by
+    /// [`GroupState::handle_completion`]).
+    pub fn adopt_inline(&mut self, work: InlineWork, collective: Collective) {
         let id = work.id;
-        self.enter(work.lifecycle.enqueued_at(), work);
+        self.enter(work.lifecycle.enqueued_at(), work, collective);
         if let Some(w) = self.works.get_mut(&id) {
             w.launched = true;
             self.running += 1;
@@ -1125,8 +1130,8 @@ impl GroupState {
 
     /// A work's entry in the table (not launched yet), with its timers counted from
     /// `submitted`.
-    fn enter(&mut self, submitted: Duration, work: InlineWork) {
-        let InlineWork { id, seq, collective, lifecycle, timeout, record } = work;
+    fn enter(&mut self, submitted: Duration, work: InlineWork, collective: Collective) {
+        let InlineWork { id, seq, lifecycle, timeout, record, .. } = work;
         let is_p2p = collective.op.is_p2p();
         self.timers.set(TimerKind::WorkDeadline(id), submitted.saturating_add(timeout));
         if !is_p2p && self.cfg.world_size > 2 {
@@ -2246,7 +2251,7 @@ mod tests {
         let (mut usual, mut inline) = (group_at(t0), group_at(t0));
         for i in 0..3 {
             let want = run_usual(&mut usual, ms(10 * i), Some(ms(10 * i + 3))).unwrap();
-            let first = inline.submit_inline(ms(10 * i), allreduce(4), |id, seq| (id, seq)).unwrap();
+            let first = inline.submit_inline(ms(10 * i), &allreduce(4), |id, seq| (id, seq)).unwrap();
             let Inline::Running(w, numbers) = first else { panic!("an idle group runs it inline") };
             assert_eq!((w.id(), w.seq()), (want.id, want.seq));
             assert_eq!(numbers, (want.id, want.seq), "`first` ran with the work's numbers");
@@ -2259,9 +2264,9 @@ mod tests {
 
         // Adopted: it finishes by the usual completion, as the usual work does.
         let want = run_usual(&mut usual, ms(40), Some(ms(45))).unwrap();
-        let Inline::Running(w, ()) = inline.submit_inline(ms(40), allreduce(4), |_, _| ()).unwrap() else { panic!() };
+        let Inline::Running(w, ()) = inline.submit_inline(ms(40), &allreduce(4), |_, _| ()).unwrap() else { panic!() };
         let id = w.id();
-        inline.adopt_inline(w);
+        inline.adopt_inline(w, allreduce(4));
         assert_eq!(inline.work_state(id), Some(WorkState::Started));
         assert!(inline.poll_launch().is_none(), "it was launched when it started");
         inline.handle_completion(ms(45), id, Completion::Success);
@@ -2271,8 +2276,8 @@ mod tests {
         // Adopted and never answered: it times out at its submission plus the timeout, with
         // what the usual work's timeout says; both groups then refuse the next submit alike.
         run_usual(&mut usual, ms(50), None);
-        let Inline::Running(w, ()) = inline.submit_inline(ms(50), allreduce(4), |_, _| ()).unwrap() else { panic!() };
-        inline.adopt_inline(w);
+        let Inline::Running(w, ()) = inline.submit_inline(ms(50), &allreduce(4), |_, _| ()).unwrap() else { panic!() };
+        inline.adopt_inline(w, allreduce(4));
         for g in [&mut usual, &mut inline] {
             g.handle_timeout(ms(50) + Duration::from_secs(10) - Duration::from_millis(1));
             assert!(drain_events(g).is_empty(), "not before its deadline");
@@ -2289,30 +2294,31 @@ mod tests {
         assert!(ends[0].iter().any(|e| matches!(e, Event::GroupFailed(_))), "{:?}", ends[0]);
         assert_eq!(ends[0], ends[1]);
         assert_eq!(inline.dump(), usual.dump());
-        let refused = |g: &mut GroupState| {
-            let mut ran = false;
-            let e = g.submit_inline(ms(60_000), allreduce(4), |_, _| ran = true).map(|_| ()).unwrap_err();
-            assert!(!ran, "`first` does not run for a refused work");
-            e
-        };
+        // A failed group takes nothing inline: the caller's usual submit is refused.
+        let mut ran = false;
+        let busy = inline.submit_inline(ms(60_000), &allreduce(4), |_, _| ran = true);
+        assert!(matches!(busy, Ok(Inline::Busy)) && !ran, "`first` does not run on a failed group");
+        let refused = |g: &mut GroupState| g.submit(ms(60_000), allreduce(4)).unwrap_err();
         assert_eq!(refused(&mut inline), refused(&mut usual));
+        assert_eq!(inline.dump(), usual.dump(), "the refusal recorded alike");
     }
 
     #[test]
-    fn a_busy_group_submits_an_inline_work_the_usual_way() {
+    fn a_busy_group_takes_nothing_inline() {
         let (mut g, t0) = group(2, 0, ErrorHandling::CleanUpOnly);
         let a = g.submit(t0, allreduce(4)).unwrap();
         let mut ran = false;
-        let b = match g.submit_inline(t0, allreduce(4), |_, _| ran = true).unwrap() {
-            Inline::Queued(b) => b,
+        match g.submit_inline(t0, &allreduce(4), |_, _| ran = true).unwrap() {
+            Inline::Busy => {}
             Inline::Running(w, ()) => panic!("{w:?} ran inline beside work {a}"),
-        };
+        }
         assert!(!ran, "`first` runs only for a work that runs inline");
-        assert_eq!(std::iter::from_fn(|| g.poll_launch()).map(|l| l.id).collect::<Vec<_>>(), vec![a, b]);
+        assert_eq!(g.seq(), SeqNo(1), "nothing was numbered");
+        assert_eq!(std::iter::from_fn(|| g.poll_launch()).map(|l| l.id).collect::<Vec<_>>(), vec![a]);
         // Point-to-point ops never run inline.
         let (mut g, t0) = group(2, 0, ErrorHandling::CleanUpOnly);
         let send = Collective::new(OpType::Send).inputs(vec![TensorSpec::new(DType::F32, &[4])]).peer(Rank(1), 0);
-        assert!(matches!(g.submit_inline(t0, send, |_, _| panic!("not inline")), Ok(Inline::Queued(_))));
+        assert!(matches!(g.submit_inline(t0, &send, |_, _| panic!("not inline")), Ok(Inline::Busy)));
     }
 
     #[test]

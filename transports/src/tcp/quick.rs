@@ -58,7 +58,7 @@ use cohort_core::work::Rank;
 
 use super::collective::Request;
 use super::socket::{FastReader, Waited};
-use super::state::{Allreduce, Payload, QuickEnd, QuickStart};
+use super::state::{Payload, QuickEnd, QuickStart};
 use super::{Deferred, Inner};
 use crate::work::Work;
 
@@ -170,36 +170,36 @@ pub(super) fn allreduce(
     // drain takes them the other way round, so this thread only tries for the reading side
     // and never waits for it while it holds the state.
     let (end, last) = inner.input_into(&mut acc, |st, fx| {
-        let call = Allreduce { collective, tensors, op };
-        let ready = st.quick_plan(&call.tensors, op, peer).and_then(|plan| Some((plan, reader.hold()?)));
-        let (plan, mut held) = match ready {
-            Some(ready) => ready,
-            None => {
-                let request = Box::new(Request::allreduce(call.tensors, op));
-                let payload = Payload::Collective { request, run: None };
-                return (st.submit(super::now(), call.collective, payload, hook(), fx).map(QuickEnd::Work), None);
-            }
+        let usual = |st: &mut super::state::DriverState, fx: &mut _, collective, tensors| {
+            let payload = Payload::Collective { request: Box::new(Request::allreduce(tensors, op)), run: None };
+            (st.submit(super::now(), collective, payload, hook(), fx).map(QuickEnd::Work), None)
         };
+        let ready = st.quick_plan(&tensors, op, peer).and_then(|plan| Some((plan, reader.hold()?)));
+        let Some((plan, mut held)) = ready else { return usual(st, fx, collective, tensors) };
         let started = super::now();
-        let mut exchange = match st.quick_start(started, call, plan, hook, fx) {
+        let mut exchange = match st.quick_start(started, &collective, tensors, op, plan, hook) {
             Err(e) => return (Err(e), None),
-            Ok(QuickStart::Done(work)) => return (Ok(QuickEnd::Work(work)), None),
+            Ok(QuickStart::Busy(tensors)) => return usual(st, fx, collective, tensors),
+            Ok(QuickStart::Unsent(exchange, gone)) => {
+                let work = st.quick_unsent(started, exchange, collective, gone, fx);
+                return (Ok(QuickEnd::Work(work)), None);
+            }
             Ok(QuickStart::Sent(exchange)) => exchange,
         };
         match held.wait_for(inner.quick.wait(), |header, payload| exchange.take(header, payload)) {
             Waited::Took => {
-                let end = st.quick_finish(super::now(), exchange, fx);
+                let end = st.quick_finish(super::now(), exchange, collective, fx);
                 inner.quick.took();
                 took = Some(started);
                 (Ok(end), None)
             }
             waited @ (Waited::Other | Waited::Late) => {
-                let work = st.quick_hand_off(super::now(), exchange, false, fx);
+                let work = st.quick_hand_off(super::now(), exchange, collective, false, fx);
                 inner.quick.handed_off(matches!(waited, Waited::Late));
                 (Ok(QuickEnd::Work(work)), None)
             }
             Waited::End(last) => {
-                let work = st.quick_hand_off(super::now(), exchange, false, fx);
+                let work = st.quick_hand_off(super::now(), exchange, collective, false, fx);
                 inner.quick.handed_off(false);
                 (Ok(QuickEnd::Work(work)), Some(last))
             }

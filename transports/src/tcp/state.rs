@@ -320,16 +320,18 @@ impl DriverState {
     /// plane's), and its one frame sent to the peer; the caller then waits for the peer's frame
     /// itself ([`Exchange::take`]) and ends it with [`DriverState::quick_finish`] or, if the
     /// frame does not come, [`DriverState::quick_hand_off`], which gives it the usual entries.
+    ///
+    /// The caller keeps the collective: the work needs it back only if it is handed off.
     pub(crate) fn quick_start(
         &mut self,
         now: Instant,
-        call: Allreduce,
+        collective: &Collective,
+        mut tensors: Vec<Tensor>,
+        op: ReduceOp,
         plan: QuickPlan,
         hook: impl FnOnce() -> Option<crate::work::CompletionHook>,
-        effects: &mut Effects,
     ) -> Result<QuickStart, SubmitError> {
         let QuickPlan { reduction, peer, step } = plan;
-        let Allreduce { collective, mut tensors, op } = call;
         let fingerprint =
             Some(Fingerprint { op: collective.op, dtype: Some(tensors[0].dtype()), root: collective.root });
         let tag = fingerprint.map_or(0, Fingerprint::to_tag);
@@ -352,39 +354,50 @@ impl DriverState {
         };
         let (inline, sent) = match group.submit_inline(now, collective, send)? {
             Inline::Running(inline, sent) => (inline, sent),
-            Inline::Queued(id) => {
-                // The core had something in flight after all: the usual path takes it.
-                let (work, completer) = Work::pending(id, self.group.seq(), OpType::Allreduce, hook());
-                completer.in_group(self.gid, self.me);
-                let payload = Payload::Collective { request: Box::new(Request::allreduce(tensors, op)), run: None };
-                self.plane.track(id, fingerprint, Pending { completer, payload, outputs: Vec::new() });
-                self.corking = self.corks.in_burst();
-                self.drain(now, effects);
-                self.corking = false;
-                effects.rearm_timer = true;
-                return Ok(QuickStart::Done(work));
-            }
+            // The core had something in flight after all: the usual path takes it.
+            Inline::Busy => return Ok(QuickStart::Busy(tensors)),
         };
         let hook = hook();
         let tensor = tensors.pop().expect("one tensor, checked above");
         let exchange = Exchange { inline, hook, fingerprint, peer, step, tag, gid: self.gid, tensor, reduction, op };
-        match sent {
-            Sent::Written => Ok(QuickStart::Sent(exchange)),
-            // It waits for the writer task: the usual path waits for it too.
-            Sent::Queued => Ok(QuickStart::Done(self.quick_hand_off(now, exchange, true, effects))),
-            Sent::Gone => {
-                let (id, _, work) = self.adopt(exchange, effects);
-                self.group.handle_completion(now, id, dataplane::link_gone(peer));
-                self.drain(now, effects);
-                Ok(QuickStart::Done(work))
-            }
+        Ok(match sent {
+            Sent::Written => QuickStart::Sent(exchange),
+            Sent::Queued => QuickStart::Unsent(exchange, false),
+            Sent::Gone => QuickStart::Unsent(exchange, true),
+        })
+    }
+
+    /// The exchange's frame did not go out at once ([`QuickStart::Unsent`]): it waits for the
+    /// writer task, and the work goes to the usual path, which waits for it too; or its link
+    /// is `gone`, and the work fails as any work on that link does.
+    pub(crate) fn quick_unsent(
+        &mut self,
+        now: Instant,
+        exchange: Exchange,
+        collective: Collective,
+        gone: bool,
+        effects: &mut Effects,
+    ) -> Work {
+        if !gone {
+            return self.quick_hand_off(now, exchange, collective, true, effects);
         }
+        let peer = exchange.peer;
+        let (id, _, work) = self.adopt(exchange, collective, effects);
+        self.group.handle_completion(now, id, dataplane::link_gone(peer));
+        self.drain(now, effects);
+        work
     }
 
     /// The peer's frame was combined into the exchange's tensor ([`Exchange::take`]): finish
     /// the reduction and end the work as the usual path ends it (frames for it are stale from
     /// now on). Its `Work` is made when the lock is released ([`QuickEnd::Ended`]).
-    pub(crate) fn quick_finish(&mut self, now: Instant, mut exchange: Exchange, effects: &mut Effects) -> QuickEnd {
+    pub(crate) fn quick_finish(
+        &mut self,
+        now: Instant,
+        mut exchange: Exchange,
+        collective: Collective,
+        effects: &mut Effects,
+    ) -> QuickEnd {
         let peer = exchange.peer;
         let end = match exchange.reduction.finalize(exchange.tensor.bytes_mut(), 2) {
             Ok(()) => {
@@ -400,7 +413,7 @@ impl DriverState {
                 QuickEnd::Ended(Ended { summary, tensor, hook, group: self.gid, rank: self.me })
             }
             Err(e) => {
-                let (id, _, work) = self.adopt(exchange, effects);
+                let (id, _, work) = self.adopt(exchange, collective, effects);
                 self.group.handle_peer_activity(now, peer);
                 self.group.handle_completion(now, id, Completion::Failed { rank: None, message: e.to_string() });
                 QuickEnd::Work(work)
@@ -418,10 +431,11 @@ impl DriverState {
         &mut self,
         now: Instant,
         exchange: Exchange,
+        collective: Collective,
         queued: bool,
         effects: &mut Effects,
     ) -> Work {
-        let (id, Adopted { seq, peer, step, tensor, op }, work) = self.adopt(exchange, effects);
+        let (id, Adopted { seq, peer, step, tensor, op }, work) = self.adopt(exchange, collective, effects);
         if queued {
             self.count_sent(id, peer, Sent::Queued);
         }
@@ -450,12 +464,12 @@ impl DriverState {
     /// Give the exchange's inline work the usual entries, the core's table and this data
     /// plane's tracking (its data still with the exchange, which is given back), and its
     /// `Work`.
-    fn adopt(&mut self, exchange: Exchange, effects: &mut Effects) -> (WorkId, Adopted, Work) {
+    fn adopt(&mut self, exchange: Exchange, collective: Collective, effects: &mut Effects) -> (WorkId, Adopted, Work) {
         let Exchange { inline, hook, fingerprint, peer, step, tensor, op, .. } = exchange;
         let (id, seq) = (inline.id(), inline.seq());
         let (work, completer) = Work::pending(id, seq, OpType::Allreduce, hook);
         completer.in_group(self.gid, self.me);
-        self.group.adopt_inline(inline);
+        self.group.adopt_inline(inline, collective);
         let payload = Payload::Collective { request: Box::new(Request::Taken), run: None };
         self.plane.track(id, fingerprint, Pending { completer, payload, outputs: Vec::new() });
         effects.rearm_timer = true;
@@ -985,10 +999,13 @@ pub(crate) struct QuickPlan {
 /// How [`DriverState::quick_start`] went.
 #[allow(clippy::large_enum_variant)] // moved once a call: a box would cost the allocation this path saves
 pub(crate) enum QuickStart {
-    /// The work is on the usual path already (or ended: its link is gone).
-    Done(Work),
+    /// The core is busy after all: submit the collective the usual way, with these tensors.
+    Busy(Vec<Tensor>),
     /// Its frame went: wait for the peer's.
     Sent(Exchange),
+    /// Its frame did not go out at once (its link gone, if `true`): end it with
+    /// [`DriverState::quick_unsent`].
+    Unsent(Exchange, bool),
 }
 
 /// How [`DriverState::quick_finish`] ended a collective.
@@ -1015,13 +1032,6 @@ impl Ended {
         let Ended { summary, tensor, hook, group, rank } = self;
         Work::finished(summary, vec![tensor], hook, group, rank)
     }
-}
-
-/// A user's allreduce, as [`DriverState::quick_start`] takes it and gives it back.
-pub(crate) struct Allreduce {
-    pub(crate) collective: Collective,
-    pub(crate) tensors: Vec<Tensor>,
-    pub(crate) op: ReduceOp,
 }
 
 /// A two-rank allreduce whose frame went, waiting for the peer's ([`DriverState::quick_start`]).
