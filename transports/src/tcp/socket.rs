@@ -556,7 +556,8 @@ pub(crate) struct Held<'a> {
 }
 
 impl Held<'_> {
-    /// Spin until `deadline` for a whole data frame at the ring's read position, and offer it
+    /// Spin for about `wait` (counted from the first reading of the clock, a few looks in) for
+    /// a whole data frame at the ring's read position, and offer it
     /// to `take` where it lies (its header, then its payload, which `take` reads as a peer's
     /// bytes). The frame is released if `take` says it used it; anything else is left where
     /// it is for the usual readers. The header passes the decoder's checks first, exactly as a
