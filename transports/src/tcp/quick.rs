@@ -357,15 +357,21 @@ mod tests {
         assert_eq!(gate.handed_off.load(Ordering::Relaxed), 12);
     }
 
-    #[test]
-    fn small_allreduces_between_two_ranks_end_in_their_submit_call_with_the_usual_result() {
-        let rt = runtime();
-        let pgs = pair(&rt, [opts(true), opts(true)]);
-        // On a machine busy with other tests the two rank threads may seldom run at once: each
-        // waits long enough for the other to be scheduled.
+    /// Two ranks with the path on that wait long for each other's frame: on a machine busy with
+    /// other tests the two rank threads may seldom run at once, so each waits long enough for
+    /// the other to be scheduled.
+    fn patient_pair(rt: &tokio::runtime::Runtime) -> Vec<ProcessGroup> {
+        let pgs = pair(rt, [opts(true), opts(true)]);
         for pg in &pgs {
             pg.inner.quick.wait_ns.store(50_000_000, Ordering::Relaxed);
         }
+        pgs
+    }
+
+    #[test]
+    fn small_allreduces_between_two_ranks_end_in_their_submit_call_with_the_usual_result() {
+        let rt = runtime();
+        let pgs = patient_pair(&rt);
         let counts = rounds(pgs, 300, |_, _| Duration::ZERO);
         for (rank, (ended, handed_off)) in counts.into_iter().enumerate() {
             // Some find the ring read by another thread, or the peer's frame read already.
@@ -380,11 +386,7 @@ mod tests {
     fn a_work_ended_in_its_submit_call_runs_the_completion_hook_once_before_it_returns() {
         use cohort_core::work::{OpType, WorkState};
         let rt = runtime();
-        let pgs = pair(&rt, [opts(true), opts(true)]);
-        for pg in &pgs {
-            pg.inner.quick.wait_ns.store(50_000_000, Ordering::Relaxed);
-        }
-        let seen = on_each(pgs, |pg| {
+        let seen = on_each(patient_pair(&rt), |pg| {
             let me = pg.rank().0;
             let calls = Arc::new(std::sync::Mutex::new(Vec::new()));
             let c = calls.clone();
