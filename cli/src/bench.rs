@@ -653,9 +653,8 @@ impl Backend for Tcp {
         // Written through before the clock starts: a page of it touched first inside the loop
         // would put the kernel's fault (a 2 MiB page zeroed, where huge pages are on) into
         // one iteration's time.
-        let mut times_us = vec![0.0; args.iters as usize];
-        times_us.fill(-1.0);
-        std::hint::black_box(&mut times_us);
+        // (Not zeros, which a fresh mapping may hand out without touching a page.)
+        let mut times_us = std::hint::black_box(vec![-1.0; args.iters as usize]);
         let start = Instant::now();
         // One clock read an iteration, as its end is the next one's start.
         let mut t = start;

@@ -473,7 +473,7 @@ impl FlightRecorder {
         }
         // The next record writes the next slot, last written `capacity` records ago and out of
         // the cache by now in a full ring: its lines are asked for while this collective runs.
-        if let Some(next) = self.slots.get((index + 1) % capacity) {
+        if let Some(next) = self.slots.get(if index + 1 < capacity { index + 1 } else { 0 }) {
             next.prefetch();
         }
         Some(RecordId { seq, index })
