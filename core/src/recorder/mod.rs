@@ -671,7 +671,8 @@ impl FlightRecorder {
         &mut self.status_slots[self.groups[group as usize].status as usize]
     }
 
-    /// The index of `pg_id`'s `pg_status` in `status_slots`, made at `-1` if it has none.
+    /// The index of `pg_id`'s `pg_status` in `status_slots`; a group seen for the first time gets
+    /// a new one, every field `-1` (no collective yet).
     fn status_index(&mut self, pg_id: u64) -> u32 {
         let next = u32::try_from(self.status_slots.len()).expect("fewer than 2^32 distinct process groups");
         let index = *self.statuses.entry(pg_id).or_insert(next);
