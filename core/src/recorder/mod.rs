@@ -356,8 +356,8 @@ struct Slot {
 
 impl FlightRecorder {
     /// A recorder keeping `config.capacity` entries (0: off), whose group epoch is
-    /// `wall_epoch_ns` nanoseconds after the Unix epoch. The ring's slots are made as it fills
-    /// ([`Slots`]).
+    /// `wall_epoch_ns` nanoseconds after the Unix epoch. The ring's slots are made as it fills,
+    /// a chunk at a time.
     pub fn new(config: RecorderConfig, wall_epoch_ns: u64) -> Self {
         FlightRecorder {
             slots: Slots::default(),
