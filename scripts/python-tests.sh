@@ -6,9 +6,19 @@
 # pytest. Exits non-zero on any failure. The first run downloads torch (a few GB) and builds the
 # extension in release mode (about 2 minutes on 2 cores); later runs rebuild only what changed.
 #
+# `--venv-only`: make the venv and install into it, then stop (CI does this in the background
+# while it lints).
+#
 # Environment: PYTHON (the interpreter to make the venv with, default python3), COHORT_VENV
 # (default target/python-venv), PYTEST_ARGS (extra pytest arguments).
 set -euo pipefail
+
+venv_only=0
+case "${1:-}" in
+    "") ;;
+    --venv-only) venv_only=1 ;;
+    *) echo "python-tests: unknown argument '$1' (the only one is --venv-only)" >&2; exit 2 ;;
+esac
 
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$root"
@@ -26,6 +36,10 @@ if ! python -c 'import torch, maturin, pytest' 2>/dev/null; then
     echo "python-tests: installing torch 2.15, maturin, pytest (the first time takes a few minutes)"
     python -m pip install --quiet --upgrade pip
     python -m pip install --quiet "torch>=2.15,<2.16" "maturin>=1.16,<1.17" "pytest>=8" numpy
+fi
+if [ "$venv_only" = 1 ]; then
+    echo "python-tests: $venv is ready"
+    exit 0
 fi
 
 echo "python-tests: building and installing ./python"
