@@ -268,7 +268,7 @@ fn random_fault_plans_keep_every_promise_at_256_ranks() {
                                 .faults(plan.clone())
                                 .ranks_per_host(32)
                                 .run()
-                                .unwrap();
+                                .unwrap_or_else(|e| panic!("seed {seed}: the simulation did not run: {e}"));
                             let result = check(&report).map_err(|e| {
                                 let cmd = replay(seed, world, &script, &plan);
                                 format!("{cmd} --ranks-per-host 32\n  {e}")
