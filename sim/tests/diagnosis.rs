@@ -17,9 +17,10 @@
 //! Whom a failure blames is read in two small adapters, [`live_blame`] and [`offline_blame`]:
 //! the only places that know how a report spells a blame.
 
+mod common;
+
 use std::collections::{BTreeMap, BTreeSet};
 use std::fmt;
-use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Instant;
 
 use cohort_core::analyze::FindingKind;
@@ -685,25 +686,7 @@ fn every_error_names_the_faulty_rank() {
     let n = env("COHORT_DIAG_PLANS", 200);
     let threads = env("COHORT_DIAG_THREADS", 2).max(1);
     let started = Instant::now();
-    let next = AtomicU64::new(first);
-    let mut outcomes: Vec<Judged> = std::thread::scope(|s| {
-        let workers: Vec<_> = (0..threads)
-            .map(|_| {
-                s.spawn(|| {
-                    let mut mine = Vec::new();
-                    loop {
-                        let seed = next.fetch_add(1, Ordering::SeqCst);
-                        if seed >= first + n {
-                            return mine;
-                        }
-                        mine.push(run_plan(seed));
-                    }
-                })
-            })
-            .collect();
-        workers.into_iter().flat_map(|w| w.join().expect("a worker panicked")).collect()
-    });
-    outcomes.sort_by_key(|o| o.plan.seed);
+    let outcomes: Vec<Judged> = common::per_seed(first..first + n, threads, run_plan);
     let elapsed = started.elapsed();
 
     let mut rows: BTreeMap<Kind, Row> = Kind::ALL.iter().map(|&k| (k, Row::default())).collect();

@@ -3,6 +3,8 @@
 //! `COHORT_SIM_FIRST_SEED` (default 0). A failure prints the seed and the plan; replay it with
 //! `cohort sim --seed S --ranks N --script … --faults …` (the message has the command).
 
+mod common;
+
 use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicUsize, Ordering};
 
@@ -250,40 +252,27 @@ fn random_fault_plans_keep_every_promise_at_256_ranks() {
     let n = env("COHORT_SIM_SCALE_SEEDS", 3);
     let world = 256;
     let started = std::time::Instant::now();
-    // Each seed is a world of its own on one thread; they run side by side, one a core.
+    // The seeds run side by side, one thread a core.
     let threads = std::thread::available_parallelism().map_or(1, |p| p.get() as u64).min(n.max(1));
-    let mut results: Vec<(u64, String, Result<(), String>)> = std::thread::scope(|scope| {
-        let workers: Vec<_> = (0..threads)
-            .map(|t| {
-                scope.spawn(move || {
-                    (t..n)
-                        .step_by(threads as usize)
-                        .map(|seed| {
-                            let (_, script, _) = setup(seed);
-                            let plan = FaultPlan::random(seed, world, script.steps.len(), 8);
-                            let kind = plan.faults.first().map_or("none".to_owned(), ToString::to_string);
-                            let report = Simulation::new(world)
-                                .seed(seed)
-                                .script(script.clone())
-                                .faults(plan.clone())
-                                .ranks_per_host(32)
-                                .run()
-                                .unwrap_or_else(|e| panic!("seed {seed}: the simulation did not run: {e}"));
-                            let result = check(&report).map_err(|e| {
-                                let cmd = replay(seed, world, &script, &plan);
-                                format!("{cmd} --ranks-per-host 32\n  {e}")
-                            });
-                            (seed, kind, result)
-                        })
-                        .collect::<Vec<_>>()
-                })
-            })
-            .collect();
-        workers.into_iter().flat_map(|w| w.join().expect("a seed's thread panicked")).collect()
+    let results = common::per_seed(0..n, threads, |seed| {
+        let (_, script, _) = setup(seed);
+        let plan = FaultPlan::random(seed, world, script.steps.len(), 8);
+        let kind = plan.faults.first().map_or("none".to_owned(), ToString::to_string);
+        let report = Simulation::new(world)
+            .seed(seed)
+            .script(script.clone())
+            .faults(plan.clone())
+            .ranks_per_host(32)
+            .run()
+            .unwrap_or_else(|e| panic!("seed {seed}: the simulation did not run: {e}"));
+        let result = check(&report).map_err(|e| {
+            let cmd = replay(seed, world, &script, &plan);
+            format!("{cmd} --ranks-per-host 32\n  {e}")
+        });
+        (kind, result)
     });
-    results.sort_by_key(|r| r.0);
-    let kinds: Vec<_> = results.iter().map(|r| r.1.clone()).collect();
-    let failures: Vec<_> = results.into_iter().filter_map(|r| r.2.err()).collect();
+    let kinds: Vec<_> = results.iter().map(|r| r.0.clone()).collect();
+    let failures: Vec<_> = results.into_iter().filter_map(|r| r.1.err()).collect();
     eprintln!("{n} seeds at {world} ranks on {threads} threads in {:.1} s: {kinds:?}", started.elapsed().as_secs_f64());
     assert!(failures.is_empty(), "{} of {n} seeds broke a property:\n{}", failures.len(), failures.join("\n"));
 }
