@@ -10,9 +10,11 @@ use std::hint::black_box;
 use std::sync::mpsc;
 use std::time::{Duration, Instant};
 
+use cohort_core::group::Inline;
 use cohort_core::protocol::{FrameHeader, FrameLimits, HEADER_LEN};
 use cohort_core::shm::{Consumer, Direction, Producer, Segment};
-use cohort_core::{GroupId, Rank, SeqNo};
+use cohort_core::work::OpType;
+use cohort_core::{Collective, DType, GroupConfig, GroupId, GroupState, Rank, SeqNo, TensorSpec};
 use criterion::{Criterion, criterion_group, criterion_main};
 
 const FRAME: usize = HEADER_LEN + 4;
@@ -34,6 +36,38 @@ fn exchange(me: Rank, tx: &mut Producer, rx: &mut Consumer, seq: u64, value: f32
     let header = FrameHeader::decode(head, limits).expect("the peer wrote a valid header");
     assert_eq!(header.seq, SeqNo(seq), "frames arrive in order");
     value + f32::from_le_bytes(bytes[HEADER_LEN..].try_into().expect("4 payload bytes"))
+}
+
+/// A rank's side with the core's bookkeeping of a work that ends in its submit call around the
+/// exchange, as the transport's two-rank path keeps it: the clock read at submission and at the
+/// end, [`GroupState::submit_inline`] (checks, sequence number, flight-recorder entry, desync
+/// signature; the frame goes as soon as the work is numbered) and [`GroupState::finish_inline`].
+/// What is left between this and `cohort bench` is the transport's and the API's own cost.
+struct Core {
+    group: GroupState,
+    collective: Collective,
+}
+
+impl Core {
+    fn new(me: Rank) -> Self {
+        #[allow(clippy::disallowed_methods)] // a benchmark's own clock; the core has none
+        let group = GroupState::new(GroupConfig::new(2), me, Instant::now());
+        let collective = Collective::new(OpType::Allreduce).inputs(vec![TensorSpec::new(DType::F32, &[1])]);
+        Core { group, collective }
+    }
+
+    fn exchange(&mut self, me: Rank, tx: &mut Producer, rx: &mut Consumer, value: f32, limits: &FrameLimits) -> f32 {
+        #[allow(clippy::disallowed_methods)]
+        let now = Instant::now();
+        let Core { group, collective } = self;
+        let started = group.submit_inline(now, collective, |_, seq| seq).expect("an idle, healthy group takes it");
+        let Inline::Running(work, seq) = started else { panic!("an idle group runs it inline") };
+        let sum = exchange(me, tx, rx, seq.0, value, limits);
+        #[allow(clippy::disallowed_methods)]
+        let end = Instant::now();
+        black_box(group.finish_inline(end, work));
+        sum
+    }
 }
 
 fn pingpong(c: &mut Criterion) {
@@ -72,9 +106,43 @@ fn pingpong(c: &mut Criterion) {
     peer.join().expect("the peer thread ends");
 }
 
+fn pingpong_with_core(c: &mut Criterion) {
+    let seg = Segment::in_heap(1 << 16).expect("a valid capacity");
+    let (mut tx, mut rx) = (seg.producer(Direction::FromCreator), seg.consumer(Direction::FromAcceptor));
+    let (mut peer_tx, mut peer_rx) = (seg.producer(Direction::FromAcceptor), seg.consumer(Direction::FromCreator));
+    let (order, orders) = mpsc::channel::<u64>();
+    let peer = std::thread::spawn(move || {
+        let limits = FrameLimits::default();
+        let mut core = Core::new(Rank(1));
+        for iters in orders {
+            for _ in 0..iters {
+                black_box(core.exchange(Rank(1), &mut peer_tx, &mut peer_rx, 2.0, &limits));
+            }
+        }
+    });
+    let limits = FrameLimits::default();
+    let mut core = Core::new(Rank(0));
+    let mut g = c.benchmark_group("shm_exchange");
+    g.bench_function("allreduce_4B_two_threads_with_core", |b| {
+        b.iter_custom(|iters| {
+            order.send(iters).expect("the peer thread runs");
+            #[allow(clippy::disallowed_methods)] // a benchmark's own wall clock; the core has none
+            let start = Instant::now();
+            for _ in 0..iters {
+                let sum = core.exchange(Rank(0), &mut tx, &mut rx, 1.0, &limits);
+                assert_eq!(sum, 3.0);
+            }
+            start.elapsed()
+        })
+    });
+    g.finish();
+    drop(order);
+    peer.join().expect("the peer thread ends");
+}
+
 criterion_group! {
     name = benches;
     config = Criterion::default().warm_up_time(Duration::from_secs(1)).measurement_time(Duration::from_secs(3));
-    targets = pingpong
+    targets = pingpong, pingpong_with_core
 }
 criterion_main!(benches);
