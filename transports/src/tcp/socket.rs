@@ -844,19 +844,11 @@ pub(crate) async fn run_reader(reader: Arc<FastReader>, weak: Weak<Inner>, peer:
                 None
             } else {
                 let Some(inner) = weak.upgrade() else { return };
-                match inner.rearm_in() {
-                    Rearm::Now => {
-                        backoff = REARM_GRACE;
-                        reader.arm();
-                        None
-                    }
-                    Rearm::After(left) => Some(left),
-                    Rearm::WhilePolling => {
-                        let wait = backoff;
-                        backoff = (backoff * 2).min(REARM_BACKOFF_MAX);
-                        Some(wait)
-                    }
+                let wait = next_look(inner.rearm_in(), &mut backoff);
+                if wait.is_none() {
+                    reader.arm();
                 }
+                wait
             };
             match recheck {
                 None => break reader.fired().await,
@@ -887,6 +879,28 @@ pub(crate) async fn run_reader(reader: Arc<FastReader>, weak: Weak<Inner>, peer:
             return;
         }
     }
+}
+
+/// How long a reader task whose epoll set is unarmed waits before its next look, given what
+/// [`Inner::rearm_in`] said (`None`: arm the set now). Each look wakes the runtime's thread for
+/// some 25 µs, and on a host with as many busy threads as cores that thread takes the core of
+/// a rank's spinning thread: its peer then waits for a frame that cannot come, gives up on the
+/// two-rank path and skips it for a while. So the wait doubles after each look that finds the
+/// set still not to be armed, from [`REARM_GRACE`] up to [`REARM_BACKOFF_MAX`], whether a thread
+/// polls now or one finished a work within the grace (as every work on the two-rank path does,
+/// which would otherwise bring a look every tick for as long as the run lasts); arming starts
+/// over.
+fn next_look(rearm: Rearm, backoff: &mut Duration) -> Option<Duration> {
+    let wait = match rearm {
+        Rearm::Now => {
+            *backoff = REARM_GRACE;
+            return None;
+        }
+        Rearm::After(left) => left.max(*backoff),
+        Rearm::WhilePolling => *backoff,
+    };
+    *backoff = (*backoff * 2).min(REARM_BACKOFF_MAX);
+    Some(wait)
 }
 
 /// Raise this process's soft limit on open files to at least `needed`, as far as its hard limit
@@ -941,5 +955,33 @@ mod limit_tests {
             assert!(short.contains(&format!("the hard limit is {hard}")), "{short}");
             assert_eq!(limits().0, hard, "raised as far as it goes");
         }
+    }
+}
+
+#[cfg(test)]
+mod rearm_tests {
+    use std::time::Duration;
+
+    use super::{Rearm, next_look};
+    use crate::tcp::tunables::{REARM_BACKOFF_MAX, REARM_GRACE};
+
+    #[test]
+    fn looks_grow_rarer_while_the_set_stays_unarmed_and_start_over_once_it_is_armed() {
+        let mut backoff = REARM_GRACE;
+        // A run of works ended on the two-rank path: each look finds the last one just ended.
+        let left = REARM_GRACE - Duration::from_micros(3);
+        let waits: Vec<_> = (0..6).map(|_| next_look(Rearm::After(left), &mut backoff)).collect();
+        let ms = |n| Some(Duration::from_millis(n));
+        assert_eq!(waits, [ms(1), ms(2), ms(4), ms(8), ms(8), ms(8)], "doubling up to the cap");
+        assert_eq!(REARM_BACKOFF_MAX, Duration::from_millis(8), "the cap this test expects");
+        assert_eq!(next_look(Rearm::WhilePolling, &mut backoff), ms(8), "polling threads keep it");
+        assert_eq!(next_look(Rearm::Now, &mut backoff), None, "nobody polls: arm now");
+        assert_eq!(backoff, REARM_GRACE, "and start over");
+        // A single work that ended: wait out what is left of the grace, at least one tick.
+        assert_eq!(next_look(Rearm::After(left), &mut backoff), Some(REARM_GRACE));
+        let mut long = REARM_GRACE;
+        let later = Duration::from_millis(3);
+        assert_eq!(next_look(Rearm::After(later), &mut long), Some(later), "never shorter than the grace left");
+        assert_eq!(next_look(Rearm::WhilePolling, &mut long), ms(2));
     }
 }
