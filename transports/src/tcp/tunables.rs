@@ -89,12 +89,13 @@ pub(crate) const SOCKET_LOOK_EVERY: u32 = 64;
 /// How long, at most, a reader task waits between looks while threads keep polling. Each look
 /// wakes the runtime's thread, which on a host with as many busy threads as cores takes the
 /// core of a polling thread (this rank's or its peer's), so the task waits twice as long after
-/// each look that finds a thread polling, from [`REARM_GRACE`] up to this; the first look
-/// that re-arms starts over. The price: once polling stops, the set may stay unarmed until the
-/// task's next look, so frames that nobody polls for then (a work submitted right after a run
-/// of polled ones and not waited for, a heartbeat) are read up to this much plus
-/// [`REARM_GRACE`] after the last polling thread finished. 8 ms keeps that delay far below any
-/// timeout while making the looks rare.
+/// each look that finds a thread polling or one that finished a work within [`REARM_GRACE`]
+/// (as every work ended in its submit call does), from [`REARM_GRACE`] up to this; the first
+/// look that re-arms starts over. The price: once polling stops, the set may stay unarmed until
+/// the task's next look, so frames that nobody polls for then (a work submitted right after a
+/// run of polled ones and not waited for, a heartbeat) are read up to this much plus
+/// [`REARM_GRACE`] after the last polling thread finished. A thread that goes to sleep arms the
+/// set itself. 8 ms keeps that delay far below any timeout while making the looks rare.
 pub(crate) const REARM_BACKOFF_MAX: Duration = Duration::from_millis(8);
 
 /// How often a device work looks whether its inputs have reached the host. Short against a
