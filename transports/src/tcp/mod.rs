@@ -633,11 +633,12 @@ impl ProcessGroup {
     /// Reduce `tensors` across ranks with `op`; every rank gets the result. Several tensors on
     /// one rank are reduced together (as Gloo does) and every one receives the result.
     pub fn allreduce(&self, tensors: Vec<Tensor>, op: ReduceOp) -> Result<Work, SubmitError> {
-        let quick = quick::reader_for(&self.inner, &tensors);
-        let c = Collective::new(OpType::Allreduce).inputs(specs(&tensors));
-        match quick {
-            Some(reader) => quick::allreduce(&self.inner, reader, c, tensors, op),
-            None => self.collective(c, Request::allreduce(tensors, op)),
+        match quick::reader_for(&self.inner, &tensors) {
+            Some(reader) => quick::allreduce(&self.inner, reader, tensors, op),
+            None => {
+                let c = Collective::new(OpType::Allreduce).inputs(specs(&tensors));
+                self.collective(c, Request::allreduce(tensors, op))
+            }
         }
     }
 

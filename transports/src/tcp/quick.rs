@@ -26,7 +26,10 @@
 //!    stays out of the core's table (no deadline timers, launch queue or finished event) and out
 //!    of the data plane's, since it ends before the group's next input. Its frame goes as the
 //!    executor would send it, as soon as the work has passed its checks and has its sequence
-//!    number (the recorder's entry is written while the frame is on its way);
+//!    number (the recorder's entry is written while the frame is on its way). The collective's
+//!    description is the last work's when that had the same dtype and shape, and the caller's
+//!    vector carries the reduced tensor back as the `Work`'s outputs: a loop of small
+//!    allreduces allocates neither;
 //! 3. spins on the ring for up to [`QUICK_WAIT`] for the peer's frame, checks that it is this
 //!    collective's (group, sequence number, step, fingerprint tag, length), combines it into
 //!    the tensor where it lies and finalizes (the executor's order: see the core's property
@@ -54,7 +57,7 @@ use std::time::Duration;
 use cohort_core::group::{Collective, SubmitError};
 use cohort_core::reduce::ReduceOp;
 use cohort_core::tensor::Tensor;
-use cohort_core::work::Rank;
+use cohort_core::work::{OpType, Rank};
 
 use super::collective::Request;
 use super::socket::{FastReader, Waited};
@@ -158,7 +161,6 @@ pub(super) fn reader_for(inner: &Inner, tensors: &[Tensor]) -> Option<Arc<FastRe
 pub(super) fn allreduce(
     inner: &Arc<Inner>,
     reader: Arc<FastReader>,
-    collective: Collective,
     tensors: Vec<Tensor>,
     op: ReduceOp,
 ) -> Result<Work, SubmitError> {
@@ -170,12 +172,16 @@ pub(super) fn allreduce(
     // drain takes them the other way round, so this thread only tries for the reading side
     // and never waits for it while it holds the state.
     let (end, last) = inner.input_into(&mut acc, |st, fx| {
-        let usual = |st: &mut super::state::DriverState, fx: &mut _, collective, tensors| {
+        let usual = |st: &mut super::state::DriverState, fx: &mut _, collective, tensors: Vec<Tensor>| {
             let payload = Payload::Collective { request: Box::new(Request::allreduce(tensors, op)), run: None };
             (st.submit(super::now(), collective, payload, hook(), fx).map(QuickEnd::Work), None)
         };
         let ready = st.quick_plan(&tensors, op, peer).and_then(|plan| Some((plan, reader.hold()?)));
-        let Some((plan, mut held)) = ready else { return usual(st, fx, collective, tensors) };
+        let Some((plan, mut held)) = ready else {
+            let collective = Collective::new(OpType::Allreduce).inputs(super::specs(&tensors));
+            return usual(st, fx, collective, tensors);
+        };
+        let collective = st.quick_collective(&tensors[0]);
         let started = super::now();
         let mut exchange = match st.quick_start(started, &collective, tensors, op, plan, hook) {
             Err(e) => return (Err(e), None),
@@ -408,6 +414,52 @@ mod tests {
             assert!(ended > 0, "rank {rank}: none of 200 allreduces ended in its submit call");
             let want: Vec<_> = (1..=200).map(|s| (s, OpType::Allreduce, WorkState::Completed)).collect();
             assert_eq!(calls, want, "rank {rank}: one call a work, in order, each completed");
+        }
+    }
+
+    #[test]
+    fn each_work_is_recorded_with_its_own_shape_and_dtype_when_they_change_from_work_to_work() {
+        use cohort_core::recorder::Dump;
+        // The path keeps the last work's description for the next of the same dtype and shape:
+        // shapes and dtypes that change at every work, and some that repeat, must each be
+        // recorded as they are.
+        let shapes: [(DType, &[usize]); 7] = [
+            (DType::F32, &[1]),
+            (DType::F32, &[1]),
+            (DType::F32, &[2, 3]),
+            (DType::F32, &[6]),
+            (DType::I64, &[6]),
+            (DType::I64, &[6]),
+            (DType::F32, &[1]),
+        ];
+        let rt = runtime();
+        let dumps = on_each(patient_pair(&rt), move |pg| {
+            let me = pg.rank().0;
+            for i in 0..20 {
+                for &(dtype, shape) in &shapes {
+                    let n = shape.iter().product();
+                    let t = input(me, i, n, dtype).reshape(shape).unwrap();
+                    let out = pg.allreduce(vec![t], ReduceOp::Sum).unwrap().result().unwrap();
+                    assert_eq!(out[0].shape(), shape);
+                    assert_eq!(out[0].to_f64s(), expected(ReduceOp::Sum, i, n, dtype));
+                }
+            }
+            let ended = pg.inner.quick.ended.load(Ordering::Relaxed);
+            let dump = Dump::from_json(&pg.flight_recorder_json()).unwrap();
+            pg.shutdown();
+            (ended, dump)
+        });
+        for (rank, (ended, dump)) in dumps.into_iter().enumerate() {
+            assert!(ended > 0, "rank {rank}: none of 140 allreduces ended in its submit call");
+            assert_eq!(dump.entries.len(), 140);
+            for (k, e) in dump.entries.iter().enumerate() {
+                let (dtype, shape) = shapes[k % shapes.len()];
+                let want: Vec<u64> = shape.iter().map(|&d| d as u64).collect();
+                assert_eq!(e.input_sizes, vec![want.clone()], "rank {rank}, entry {k}");
+                assert_eq!(e.output_sizes, vec![want], "rank {rank}, entry {k}");
+                let name = if dtype == DType::F32 { "Float" } else { "Long" };
+                assert_eq!(e.input_dtypes, vec![name.to_string()], "rank {rank}, entry {k}");
+            }
         }
     }
 

@@ -16,7 +16,8 @@ use std::time::Instant;
 use bytes::Bytes;
 use cohort_core::dataplane::{self, AfterWrite, DataFrame, DataPlane, PeerClosed, Route};
 use cohort_core::group::{
-    Collective, Completion, ControlMsg, Event, GroupState, Inline, InlineWork, Launch, SubmitError, WorkSummary,
+    Collective, Completion, ControlMsg, Event, GroupState, Inline, InlineWork, Launch, SubmitError, TensorSpec,
+    WorkSummary,
 };
 use cohort_core::p2p::Matcher;
 use cohort_core::protocol::{Fingerprint, FrameHeader, FrameKind, decode_control, encode_control};
@@ -115,6 +116,11 @@ pub(crate) struct DriverState {
     /// size, and its plan's single exchange: a loop of one small allreduce asks for the same
     /// plan at every work.
     last_exchange: Option<(usize, usize, Option<PeerStep>)>,
+    /// The description of the last collective the two-rank path ended, for the next allreduce
+    /// of the same dtype and shape ([`DriverState::quick_collective`]): a loop of one small
+    /// allreduce describes the same collective at every work, and describing it takes two
+    /// allocations.
+    quick_collective: Option<Collective>,
     /// p2p matching: posted receives, and payloads nobody has asked for yet.
     p2p: Matcher<WorkId>,
     /// The ranks a running collective waits for, as last asked (one allocation for every ask).
@@ -167,6 +173,7 @@ impl DriverState {
             plane: DataPlane::new(SEND_WINDOW),
             plans: PlanCache::default(),
             last_exchange: None,
+            quick_collective: None,
             p2p: Matcher::new(),
             waiting_scratch: Vec::new(),
             unwritten_total: Default::default(),
@@ -314,6 +321,17 @@ impl DriverState {
         (to == peer).then_some(QuickPlan { reduction, peer, step })
     }
 
+    /// The description of an allreduce of `tensor` alone: the last one this path ended, if it
+    /// was of the same dtype and shape, else a new one.
+    pub(crate) fn quick_collective(&mut self, tensor: &Tensor) -> Collective {
+        match self.quick_collective.take() {
+            Some(c) if matches!(&c.inputs[..], [spec] if spec.dtype == tensor.dtype() && spec.shape == tensor.shape()) => {
+                c
+            }
+            _ => Collective::new(OpType::Allreduce).inputs(vec![TensorSpec::new(tensor.dtype(), tensor.shape())]),
+        }
+    }
+
     /// A user's allreduce that [`DriverState::quick_plan`] accepted, to be run in its submit
     /// call: submitted to the core as an inline work ([`GroupState::submit_inline`]: numbered,
     /// recorded and started like any work, but kept out of the core's table and of this data
@@ -326,7 +344,7 @@ impl DriverState {
         &mut self,
         now: Instant,
         collective: &Collective,
-        mut tensors: Vec<Tensor>,
+        tensors: Vec<Tensor>,
         op: ReduceOp,
         plan: QuickPlan,
         hook: impl FnOnce() -> Option<crate::work::CompletionHook>,
@@ -358,8 +376,7 @@ impl DriverState {
             Inline::Busy => return Ok(QuickStart::Busy(tensors)),
         };
         let hook = hook();
-        let tensor = tensors.pop().expect("one tensor, checked above");
-        let exchange = Exchange { inline, hook, fingerprint, peer, step, tag, gid: self.gid, tensor, reduction, op };
+        let exchange = Exchange { inline, hook, fingerprint, peer, step, tag, gid: self.gid, tensors, reduction, op };
         Ok(match sent {
             Sent::Written => QuickStart::Sent(exchange),
             Sent::Queued => QuickStart::Unsent(exchange, false),
@@ -399,9 +416,9 @@ impl DriverState {
         effects: &mut Effects,
     ) -> QuickEnd {
         let peer = exchange.peer;
-        let end = match exchange.reduction.finalize(exchange.tensor.bytes_mut(), 2) {
+        let end = match exchange.reduction.finalize(exchange.tensors[0].bytes_mut(), 2) {
             Ok(()) => {
-                let Exchange { inline, hook, tensor, .. } = exchange;
+                let Exchange { inline, hook, tensors, .. } = exchange;
                 // The inline work ends before the group hears of anything else (the peer's
                 // activity included): nothing may find it missing from the table.
                 let summary = self.group.finish_inline(now, inline);
@@ -410,7 +427,8 @@ impl DriverState {
                 for payload in finished.stale {
                     self.pool.give(payload);
                 }
-                QuickEnd::Ended(Ended { summary, tensor, hook, group: self.gid, rank: self.me })
+                self.quick_collective = Some(collective);
+                QuickEnd::Ended(Ended { summary, tensors, hook, group: self.gid, rank: self.me })
             }
             Err(e) => {
                 let (id, _, work) = self.adopt(exchange, collective, effects);
@@ -435,12 +453,12 @@ impl DriverState {
         queued: bool,
         effects: &mut Effects,
     ) -> Work {
-        let (id, Adopted { seq, peer, step, tensor, op }, work) = self.adopt(exchange, collective, effects);
+        let (id, Adopted { seq, peer, step, tensors, op }, work) = self.adopt(exchange, collective, effects);
         if queued {
             self.count_sent(id, peer, Sent::Queued);
         }
         let world = self.group.config().world_size;
-        let mut request = Request::allreduce(vec![tensor], op);
+        let mut request = Request::allreduce(tensors, op);
         let started = CollectiveRun::start(&mut request, self.me, world, seq, &mut self.plans).and_then(|mut run| {
             // The executor's first send is the frame that went already.
             match run.poll_send() {
@@ -465,7 +483,7 @@ impl DriverState {
     /// plane's tracking (its data still with the exchange, which is given back), and its
     /// `Work`.
     fn adopt(&mut self, exchange: Exchange, collective: Collective, effects: &mut Effects) -> (WorkId, Adopted, Work) {
-        let Exchange { inline, hook, fingerprint, peer, step, tensor, op, .. } = exchange;
+        let Exchange { inline, hook, fingerprint, peer, step, tensors, op, .. } = exchange;
         let (id, seq) = (inline.id(), inline.seq());
         let (work, completer) = Work::pending(id, seq, OpType::Allreduce, hook);
         completer.in_group(self.gid, self.me);
@@ -473,7 +491,7 @@ impl DriverState {
         let payload = Payload::Collective { request: Box::new(Request::Taken), run: None };
         self.plane.track(id, fingerprint, Pending { completer, payload, outputs: Vec::new() });
         effects.rearm_timer = true;
-        (id, Adopted { seq, peer, step, tensor, op }, work)
+        (id, Adopted { seq, peer, step, tensors, op }, work)
     }
 
     /// A frame from `from`.
@@ -1020,7 +1038,8 @@ pub(crate) enum QuickEnd {
 /// A collective that succeeded in its submit call, whose `Work` is yet to be made.
 pub(crate) struct Ended {
     summary: WorkSummary,
-    tensor: Tensor,
+    /// The caller's vector, holding the reduced tensor: the `Work`'s outputs.
+    tensors: Vec<Tensor>,
     hook: Option<crate::work::CompletionHook>,
     group: GroupId,
     rank: Rank,
@@ -1029,8 +1048,8 @@ pub(crate) struct Ended {
 impl Ended {
     /// Its finished `Work`, its completion hook run. Call with no lock held.
     pub(crate) fn into_work(self) -> Work {
-        let Ended { summary, tensor, hook, group, rank } = self;
-        Work::finished(summary, vec![tensor], hook, group, rank)
+        let Ended { summary, tensors, hook, group, rank } = self;
+        Work::finished(summary, tensors, hook, group, rank)
     }
 }
 
@@ -1045,7 +1064,9 @@ pub(crate) struct Exchange {
     step: u32,
     tag: u32,
     gid: GroupId,
-    tensor: Tensor,
+    /// The caller's vector with its one tensor, reduced in place and handed back as the
+    /// outputs (no vector of its own to allocate).
+    tensors: Vec<Tensor>,
     reduction: Reduction,
     op: ReduceOp,
 }
@@ -1055,7 +1076,7 @@ struct Adopted {
     seq: SeqNo,
     peer: Rank,
     step: u32,
-    tensor: Tensor,
+    tensors: Vec<Tensor>,
     op: ReduceOp,
 }
 
@@ -1071,8 +1092,8 @@ impl Exchange {
             && header.seq == self.inline.seq()
             && header.step == self.step
             && header.tag == self.tag
-            && payload.len() == self.tensor.nbytes()
-            && self.reduction.combine(self.tensor.bytes_mut(), payload).is_ok()
+            && payload.len() == self.tensors[0].nbytes()
+            && self.reduction.combine(self.tensors[0].bytes_mut(), payload).is_ok()
     }
 }
 
