@@ -1,8 +1,10 @@
 //! The floor under a small allreduce over shared memory: two threads, each a rank, exchange
 //! one 4-byte frame per iteration through a segment's two rings (header encoded, written,
-//! spun for, decoded and the payload summed), with none of a work's lifecycle around it. The
-//! distance between this and `cohort bench --ranks 2 -b 4 -e 4` is what the lifecycle costs;
-//! `docs/performance.md` compares both with OpenMPI's vader.
+//! spun for, decoded and the payload summed), with none of a work's lifecycle around it; then
+//! the same with the core's bookkeeping of each work around the exchange (`_with_core`). The
+//! distance between these and `cohort bench --ranks 2 -b 4 -e 4` is what the core's and then
+//! the transport's and API's parts of the lifecycle cost; `docs/performance.md` compares them
+//! with OpenMPI's vader.
 //!
 //! `cargo bench -p cohort-core --bench shm -- --warm-up-time 1 --measurement-time 3`
 
@@ -38,11 +40,29 @@ fn exchange(me: Rank, tx: &mut Producer, rx: &mut Consumer, seq: u64, value: f32
     value + f32::from_le_bytes(bytes[HEADER_LEN..].try_into().expect("4 payload bytes"))
 }
 
-/// A rank's side with the core's bookkeeping of a work that ends in its submit call around the
-/// exchange, as the transport's two-rank path keeps it: the clock read at submission and at the
-/// end, [`GroupState::submit_inline`] (checks, sequence number, flight-recorder entry, desync
-/// signature; the frame goes as soon as the work is numbered) and [`GroupState::finish_inline`].
-/// What is left between this and `cohort bench` is the transport's and the API's own cost.
+/// What a rank does each iteration: exchange one value with its peer, return the sum.
+trait Side: Send + 'static {
+    fn exchange(&mut self, me: Rank, tx: &mut Producer, rx: &mut Consumer, value: f32, limits: &FrameLimits) -> f32;
+}
+
+/// The exchange alone.
+struct Bare {
+    seq: u64,
+}
+
+impl Side for Bare {
+    fn exchange(&mut self, me: Rank, tx: &mut Producer, rx: &mut Consumer, value: f32, limits: &FrameLimits) -> f32 {
+        self.seq += 1;
+        exchange(me, tx, rx, self.seq, value, limits)
+    }
+}
+
+/// The exchange with the core's bookkeeping of a work that ends in its submit call around it,
+/// as the transport's two-rank path keeps it: the clock read at submission and at the end,
+/// [`GroupState::submit_inline`] (checks, sequence number, flight-recorder entry, desync
+/// signature; the frame goes as soon as the work is numbered) and
+/// [`GroupState::finish_inline`]. What is left between this and `cohort bench` is the
+/// transport's and the API's own cost.
 struct Core {
     group: GroupState,
     collective: Collective,
@@ -55,7 +75,9 @@ impl Core {
         let collective = Collective::new(OpType::Allreduce).inputs(vec![TensorSpec::new(DType::F32, &[1])]);
         Core { group, collective }
     }
+}
 
+impl Side for Core {
     fn exchange(&mut self, me: Rank, tx: &mut Producer, rx: &mut Consumer, value: f32, limits: &FrameLimits) -> f32 {
         #[allow(clippy::disallowed_methods)]
         let now = Instant::now();
@@ -70,32 +92,32 @@ impl Core {
     }
 }
 
-fn pingpong(c: &mut Criterion) {
+/// Time `name`: rank 0 on the bench's thread and rank 1 on a thread of its own, each with the
+/// side `side` makes for it, exchanging through one segment.
+fn pair<S: Side>(c: &mut Criterion, name: &str, side: impl Fn(Rank) -> S) {
     let seg = Segment::in_heap(1 << 16).expect("a valid capacity");
     let (mut tx, mut rx) = (seg.producer(Direction::FromCreator), seg.consumer(Direction::FromAcceptor));
     let (mut peer_tx, mut peer_rx) = (seg.producer(Direction::FromAcceptor), seg.consumer(Direction::FromCreator));
     let (order, orders) = mpsc::channel::<u64>();
+    let mut peer_side = side(Rank(1));
     let peer = std::thread::spawn(move || {
         let limits = FrameLimits::default();
-        let mut seq = 0;
         for iters in orders {
             for _ in 0..iters {
-                seq += 1;
-                black_box(exchange(Rank(1), &mut peer_tx, &mut peer_rx, seq, 2.0, &limits));
+                black_box(peer_side.exchange(Rank(1), &mut peer_tx, &mut peer_rx, 2.0, &limits));
             }
         }
     });
     let limits = FrameLimits::default();
-    let mut seq = 0;
+    let mut me = side(Rank(0));
     let mut g = c.benchmark_group("shm_exchange");
-    g.bench_function("allreduce_4B_two_threads", |b| {
+    g.bench_function(name, |b| {
         b.iter_custom(|iters| {
             order.send(iters).expect("the peer thread runs");
             #[allow(clippy::disallowed_methods)] // a benchmark's own wall clock; the core has none
             let start = Instant::now();
             for _ in 0..iters {
-                seq += 1;
-                let sum = exchange(Rank(0), &mut tx, &mut rx, seq, 1.0, &limits);
+                let sum = me.exchange(Rank(0), &mut tx, &mut rx, 1.0, &limits);
                 assert_eq!(sum, 3.0);
             }
             start.elapsed()
@@ -106,38 +128,12 @@ fn pingpong(c: &mut Criterion) {
     peer.join().expect("the peer thread ends");
 }
 
+fn pingpong(c: &mut Criterion) {
+    pair(c, "allreduce_4B_two_threads", |_| Bare { seq: 0 });
+}
+
 fn pingpong_with_core(c: &mut Criterion) {
-    let seg = Segment::in_heap(1 << 16).expect("a valid capacity");
-    let (mut tx, mut rx) = (seg.producer(Direction::FromCreator), seg.consumer(Direction::FromAcceptor));
-    let (mut peer_tx, mut peer_rx) = (seg.producer(Direction::FromAcceptor), seg.consumer(Direction::FromCreator));
-    let (order, orders) = mpsc::channel::<u64>();
-    let peer = std::thread::spawn(move || {
-        let limits = FrameLimits::default();
-        let mut core = Core::new(Rank(1));
-        for iters in orders {
-            for _ in 0..iters {
-                black_box(core.exchange(Rank(1), &mut peer_tx, &mut peer_rx, 2.0, &limits));
-            }
-        }
-    });
-    let limits = FrameLimits::default();
-    let mut core = Core::new(Rank(0));
-    let mut g = c.benchmark_group("shm_exchange");
-    g.bench_function("allreduce_4B_two_threads_with_core", |b| {
-        b.iter_custom(|iters| {
-            order.send(iters).expect("the peer thread runs");
-            #[allow(clippy::disallowed_methods)] // a benchmark's own wall clock; the core has none
-            let start = Instant::now();
-            for _ in 0..iters {
-                let sum = core.exchange(Rank(0), &mut tx, &mut rx, 1.0, &limits);
-                assert_eq!(sum, 3.0);
-            }
-            start.elapsed()
-        })
-    });
-    g.finish();
-    drop(order);
-    peer.join().expect("the peer thread ends");
+    pair(c, "allreduce_4B_two_threads_with_core", Core::new);
 }
 
 criterion_group! {
