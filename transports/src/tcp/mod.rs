@@ -635,10 +635,7 @@ impl ProcessGroup {
     pub fn allreduce(&self, tensors: Vec<Tensor>, op: ReduceOp) -> Result<Work, SubmitError> {
         match quick::reader_for(&self.inner, &tensors) {
             Some(reader) => quick::allreduce(&self.inner, reader, tensors, op),
-            None => {
-                let c = Collective::new(OpType::Allreduce).inputs(specs(&tensors));
-                self.collective(c, Request::allreduce(tensors, op))
-            }
+            None => self.collective(allreduce_collective(&tensors), Request::allreduce(tensors, op)),
         }
     }
 
@@ -817,6 +814,11 @@ impl Drop for Inner {
 
 fn specs(tensors: &[Tensor]) -> Vec<TensorSpec> {
     tensors.iter().map(|t| TensorSpec::new(t.dtype(), t.shape())).collect()
+}
+
+/// The description of an allreduce of `tensors`.
+fn allreduce_collective(tensors: &[Tensor]) -> Collective {
+    Collective::new(OpType::Allreduce).inputs(specs(tensors))
 }
 
 #[cfg(test)]

@@ -54,10 +54,10 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
 use std::time::Duration;
 
-use cohort_core::group::{Collective, SubmitError};
+use cohort_core::group::SubmitError;
 use cohort_core::reduce::ReduceOp;
 use cohort_core::tensor::Tensor;
-use cohort_core::work::{OpType, Rank};
+use cohort_core::work::Rank;
 
 use super::collective::Request;
 use super::socket::{FastReader, Waited};
@@ -178,8 +178,7 @@ pub(super) fn allreduce(
         };
         let ready = st.quick_plan(&tensors, op, peer).and_then(|plan| Some((plan, reader.hold()?)));
         let Some((plan, mut held)) = ready else {
-            let collective = Collective::new(OpType::Allreduce).inputs(super::specs(&tensors));
-            return usual(st, fx, collective, tensors);
+            return usual(st, fx, super::allreduce_collective(&tensors), tensors);
         };
         let collective = st.quick_collective(&tensors[0]);
         let started = super::now();

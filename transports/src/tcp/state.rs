@@ -16,8 +16,7 @@ use std::time::Instant;
 use bytes::Bytes;
 use cohort_core::dataplane::{self, AfterWrite, DataFrame, DataPlane, PeerClosed, Route};
 use cohort_core::group::{
-    Collective, Completion, ControlMsg, Event, GroupState, Inline, InlineWork, Launch, SubmitError, TensorSpec,
-    WorkSummary,
+    Collective, Completion, ControlMsg, Event, GroupState, Inline, InlineWork, Launch, SubmitError, WorkSummary,
 };
 use cohort_core::p2p::Matcher;
 use cohort_core::protocol::{Fingerprint, FrameHeader, FrameKind, decode_control, encode_control};
@@ -328,7 +327,7 @@ impl DriverState {
             Some(c) if matches!(&c.inputs[..], [spec] if spec.dtype == tensor.dtype() && spec.shape == tensor.shape()) => {
                 c
             }
-            _ => Collective::new(OpType::Allreduce).inputs(vec![TensorSpec::new(tensor.dtype(), tensor.shape())]),
+            _ => super::allreduce_collective(std::slice::from_ref(tensor)),
         }
     }
 
