@@ -3,8 +3,15 @@
 #
 # From a clean clone: makes a venv under target/ (reused when present), installs CPU-capable
 # torch 2.15 from PyPI, maturin and pytest into it, builds and installs ./python, and runs
-# pytest. Exits non-zero on any failure. The first run downloads torch (a few GB) and builds the
-# extension in release mode (about 2 minutes on 2 cores); later runs rebuild only what changed.
+# pytest. Exits non-zero on any failure. The first run downloads torch (a few GB); later runs
+# rebuild only what changed.
+#
+# The extension is built in cargo's dev profile, not the release one `pip install ./python` uses:
+# the dev profile's dependencies (optimised, `profile.dev.package."*"`) are the ones the Rust
+# test build (`cargo test`, same target/debug) compiles, so the two builds share them instead
+# of compiling tokio and the rest twice, the second time with fat LTO; and the tests run with
+# debug assertions on. Benchmarks (`python/bench/`) want the release build: run
+# `pip install --no-build-isolation ./python` in the venv first.
 #
 # `--venv-only`: make the venv and install into it, then stop (CI does this in the background
 # while it lints).
@@ -43,7 +50,7 @@ if [ "$venv_only" = 1 ]; then
 fi
 
 echo "python-tests: building and installing ./python"
-python -m pip install --quiet --no-build-isolation --force-reinstall --no-deps ./python
+MATURIN_PEP517_ARGS="${MATURIN_PEP517_ARGS:---profile dev}" python -m pip install --quiet --no-build-isolation --force-reinstall --no-deps ./python
 
 # Run from python/tests so that `import cohort_torch` finds the installed package, not the
 # source folder (which has no compiled extension).

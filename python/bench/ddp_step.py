@@ -67,6 +67,11 @@ def main() -> None:
     if args.backend:
         rank_main(args)
         return
+    from cohort_torch import _cohort
+
+    if _cohort.DEBUG_BUILD:
+        sys.exit("cohort_torch is a debug build here (scripts/python-tests.sh installs one): "
+                 "run `pip install --no-build-isolation ./python` for the release build first")
     rows = []
     for backend in ["gloo", "cohort"]:
         with socket.socket() as s:

@@ -15,6 +15,11 @@ import torch
 import torch.distributed as dist
 
 import cohort_torch  # noqa: F401  (registers the backend "cohort")
+from cohort_torch import _cohort
+
+if os.environ.get("BACKEND", "cohort") == "cohort" and _cohort.DEBUG_BUILD:
+    raise SystemExit("cohort_torch is a debug build here (scripts/python-tests.sh installs one): "
+                     "run `pip install --no-build-isolation ./python` for the release build first")
 
 LATE_S = 5.0
 

@@ -51,5 +51,7 @@ fn _cohort(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<group::Group>()?;
     m.add_class::<group::PendingWork>()?;
     m.add("CohortError", m.py().get_type::<CohortError>())?;
+    // The tests' build (scripts/python-tests.sh) is cargo's dev profile: benchmarks refuse it.
+    m.add("DEBUG_BUILD", cfg!(debug_assertions))?;
     Ok(())
 }
