@@ -88,6 +88,8 @@ vars! {
     SHM = ["COHORT_SHM"];
     /// TCP: two-rank allreduces over shared memory run in their submit call.
     SHM_QUICK = ["COHORT_SHM_QUICK"];
+    /// TCP: on an oversubscribed host, the runtime's threads keep to this rank's core.
+    PIN_IO_THREADS = ["COHORT_PIN_IO_THREADS"];
     /// NCCL: a blocking communicator.
     NCCL_BLOCKING = ["COHORT_NCCL_BLOCKING"];
     /// NCCL: blocking-wait mode.

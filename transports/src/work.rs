@@ -371,6 +371,26 @@ fn move_core(to: Option<usize>) -> Option<usize> {
     }
 }
 
+/// Keep the calling thread to the `slot`-th core it may run on, counted round them (see
+/// [`TcpOptions::io_core`](crate::tcp::TcpOptions::io_core)); the core, or `None` where it may
+/// run on one core only or the call failed (it then runs where it did).
+pub(crate) fn keep_to_core(slot: usize) -> Option<usize> {
+    let size = std::mem::size_of::<libc::cpu_set_t>();
+    // SAFETY: plain system calls on the calling thread's own affinity, with masks this frame
+    // owns and their true size; every core index is below the masks' size.
+    unsafe {
+        let mut allowed: libc::cpu_set_t = std::mem::zeroed();
+        if libc::sched_getaffinity(0, size, &mut allowed) != 0 {
+            return None;
+        }
+        let count = usize::try_from(libc::CPU_COUNT(&allowed)).ok().filter(|&n| n > 1)?;
+        let core = (0..libc::CPU_SETSIZE as usize).filter(|&c| libc::CPU_ISSET(c, &allowed)).nth(slot % count)?;
+        let mut target: libc::cpu_set_t = std::mem::zeroed();
+        libc::CPU_SET(core, &mut target);
+        (libc::sched_setaffinity(0, size, &target) == 0).then_some(core)
+    }
+}
+
 /// A group's [`Progress`], shared by its works.
 pub(crate) type ProgressFn = Arc<dyn Progress>;
 
@@ -1029,6 +1049,36 @@ mod tests {
         })
         .join()
         .unwrap();
+    }
+
+    #[test]
+    fn a_thread_kept_to_a_core_runs_only_on_the_slot_th_core_it_was_allowed_counted_round() {
+        for slot in [0, 1, 2, 5] {
+            std::thread::spawn(move || {
+                let before = affinity();
+                // SAFETY: reads masks this frame owns.
+                let allowed: Vec<usize> =
+                    (0..libc::CPU_SETSIZE as usize).filter(|&c| unsafe { libc::CPU_ISSET(c, &before) }).collect();
+                let core = keep_to_core(slot);
+                let after = affinity();
+                if allowed.len() > 1 {
+                    let want = allowed[slot % allowed.len()];
+                    assert_eq!(core, Some(want), "slot {slot} of cores {allowed:?}");
+                    // SAFETY: reads a mask this frame owns.
+                    assert_eq!(unsafe { libc::CPU_COUNT(&after) }, 1, "slot {slot}: one core");
+                    // SAFETY: as above.
+                    assert!(unsafe { libc::CPU_ISSET(want, &after) }, "slot {slot}: core {want}");
+                    // SAFETY: a plain call about the calling thread.
+                    assert_eq!(usize::try_from(unsafe { libc::sched_getcpu() }).unwrap(), want, "it runs there now");
+                } else {
+                    assert_eq!(core, None, "with one core allowed it stays as it was");
+                    // SAFETY: compares two masks this frame owns.
+                    assert!(unsafe { libc::CPU_EQUAL(&after, &before) });
+                }
+            })
+            .join()
+            .unwrap();
+        }
     }
 
     #[test]

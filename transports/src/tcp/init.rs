@@ -77,9 +77,15 @@ pub fn init_process_group() -> Result<ProcessGroup, InitError> {
 
 /// [`init_process_group`] with explicit configuration.
 pub fn init_process_group_with(cfg: InitConfig, opts: TcpOptions) -> Result<ProcessGroup, InitError> {
+    let io_core = opts.io_core;
     let runtime = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(opts.io_threads.max(1))
         .thread_name("cohort-tcp")
+        .on_thread_start(move || {
+            if let Some(slot) = io_core {
+                crate::work::keep_to_core(slot);
+            }
+        })
         .enable_all()
         .build()
         .map_err(InitError::Runtime)?;

@@ -64,6 +64,15 @@ pub struct TcpOptions {
     /// every empty poll, as MPI does when oversubscribed, so that the rank whose frame it waits
     /// for runs at once; otherwise it spins between yields 20 µs apart.
     pub oversubscribed: bool,
+    /// On an oversubscribed host, the core the worker threads of the runtime that
+    /// [`init_process_group`](super::init_process_group) builds keep to, counted round the cores
+    /// this process may use: this rank's `LOCAL_RANK`, so that the host's ranks' threads, which
+    /// write and read most of a large collective's frames, are spread evenly (left to the
+    /// kernel, four ranks' threads on two cores spent long stretches three or four to a core:
+    /// `docs/performance.md`, "The runtime's threads kept to their rank's core"). `None`: they
+    /// run where the kernel puts them, as do the caller's threads always. Set from the
+    /// environment when `oversubscribed`; `COHORT_PIN_IO_THREADS=0` turns it off.
+    pub io_core: Option<usize>,
     /// Worker threads of the tokio runtime that [`init_process_group`](super::init_process_group)
     /// builds for the group: they run the reader, writer and timer tasks (a group made with
     /// `ProcessGroup::connect` runs on the caller's runtime and ignores this). One is enough
@@ -125,6 +134,7 @@ impl Default for TcpOptions {
             buffer_pool_bytes: super::link::BufferPool::DEFAULT_LIMIT,
             busy_poll: Duration::from_micros(50),
             oversubscribed: false,
+            io_core: None,
             io_threads: 1,
             trace_buffer_size: 2000,
             dump_prefix: None,
@@ -212,6 +222,10 @@ impl TcpOptions {
         let local = v.u64(env::LOCAL_WORLD_SIZE)?.unwrap_or(1);
         o.shm_ring_bytes = shm_ring_bytes(local);
         o.oversubscribed = local > std::thread::available_parallelism().map_or(1, |n| n.get() as u64);
+        if o.oversubscribed && v.flag(env::PIN_IO_THREADS)?.unwrap_or(true) {
+            let slot = v.u64(env::LOCAL_RANK)?.unwrap_or(0);
+            o.io_core = Some(usize::try_from(slot).unwrap_or(usize::MAX));
+        }
         if let Some(n) = v.u64(env::IO_THREADS)? {
             o.io_threads = io_threads(n)?;
         }
@@ -345,6 +359,27 @@ mod tests {
         assert_eq!(ring("1000"), 256 << 10);
         let off = TcpOptions::from_lookup(|k| (k == "COHORT_SHM").then(|| "0".to_owned())).unwrap();
         assert!(!off.shared_memory && TcpOptions::default().shared_memory);
+    }
+
+    #[test]
+    fn more_local_ranks_than_cores_keeps_each_ranks_io_threads_to_its_local_ranks_core() {
+        let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+        let crowded = (cores + 1).to_string();
+        let with = |extra: &[(&str, &str)]| {
+            let mut pairs = vec![("LOCAL_WORLD_SIZE", crowded.as_str())];
+            pairs.extend_from_slice(extra);
+            TcpOptions::from_lookup(table(&pairs))
+        };
+        assert_eq!(with(&[("LOCAL_RANK", "3")]).unwrap().io_core, Some(3));
+        assert_eq!(with(&[]).unwrap().io_core, Some(0), "no LOCAL_RANK: the first core");
+        assert_eq!(with(&[("LOCAL_RANK", "3"), ("COHORT_PIN_IO_THREADS", "0")]).unwrap().io_core, None);
+        let e = with(&[("LOCAL_RANK", "3"), ("COHORT_PIN_IO_THREADS", "sometimes")]).unwrap_err();
+        assert!(e.to_string().contains("COHORT_PIN_IO_THREADS"), "{e}");
+        let e = with(&[("LOCAL_RANK", "third")]).unwrap_err();
+        assert!(e.to_string().contains("LOCAL_RANK"), "{e}");
+        let uncrowded = TcpOptions::from_lookup(table(&[("LOCAL_WORLD_SIZE", "1"), ("LOCAL_RANK", "0")])).unwrap();
+        assert_eq!(uncrowded.io_core, None, "a core each: the kernel places them");
+        assert_eq!(TcpOptions::default().io_core, None);
     }
 
     #[test]
