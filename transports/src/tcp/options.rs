@@ -67,7 +67,7 @@ pub struct TcpOptions {
     /// On an oversubscribed host, the core the worker threads of the runtime that
     /// [`init_process_group`](super::init_process_group) builds keep to, counted round the cores
     /// this process may use: this rank's `LOCAL_RANK`, so that the host's ranks' threads, which
-    /// write and read most of a large collective's frames, are spread evenly (left to the
+    /// write a large collective's frames, are spread evenly (left to the
     /// kernel, four ranks' threads on two cores spent long stretches three or four to a core:
     /// `docs/performance.md`, "The runtime's threads kept to their rank's core"). `None`: they
     /// run where the kernel puts them, as do the caller's threads always. Set from the
