@@ -54,11 +54,7 @@ impl Group {
         if timeout_s > 0.0 {
             opts.timeout = Duration::try_from_secs_f64(timeout_s).map_err(|e| CohortError::new_err(e.to_string()))?;
         }
-        let runtime = tokio::runtime::Builder::new_multi_thread()
-            .worker_threads(opts.io_threads.max(1))
-            .thread_name("cohort-tcp")
-            .enable_all()
-            .build()
+        let runtime = cohort_transports::tcp::runtime(&opts)
             .map_err(|e| CohortError::new_err(format!("cannot start the runtime: {e}")))?;
         let rt = runtime.handle().clone();
         // From here on a failure drops the runtime without waiting (see `Background`).

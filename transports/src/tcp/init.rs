@@ -77,8 +77,21 @@ pub fn init_process_group() -> Result<ProcessGroup, InitError> {
 
 /// [`init_process_group`] with explicit configuration.
 pub fn init_process_group_with(cfg: InitConfig, opts: TcpOptions) -> Result<ProcessGroup, InitError> {
+    let runtime = Arc::new(runtime(&opts).map_err(InitError::Runtime)?);
+    let pg = runtime.block_on(async {
+        let (store, server) = rendezvous_store(&cfg, opts.init_timeout).await?;
+        let pg = ProcessGroup::connect(TokioNet, store, cfg.rank, cfg.world_size, opts).await?;
+        Ok::<_, InitError>(pg.with_owned(server, None))
+    })?;
+    Ok(pg.with_owned(None, Some(runtime)))
+}
+
+/// The tokio runtime for a group made with `opts`, as [`init_process_group`] builds it:
+/// `opts.io_threads` worker threads named `cohort-tcp`, each kept to core `opts.io_core` when
+/// that is set (see [`TcpOptions::io_core`]).
+pub fn runtime(opts: &TcpOptions) -> std::io::Result<tokio::runtime::Runtime> {
     let io_core = opts.io_core;
-    let runtime = tokio::runtime::Builder::new_multi_thread()
+    tokio::runtime::Builder::new_multi_thread()
         .worker_threads(opts.io_threads.max(1))
         .thread_name("cohort-tcp")
         .on_thread_start(move || {
@@ -88,14 +101,6 @@ pub fn init_process_group_with(cfg: InitConfig, opts: TcpOptions) -> Result<Proc
         })
         .enable_all()
         .build()
-        .map_err(InitError::Runtime)?;
-    let runtime = Arc::new(runtime);
-    let pg = runtime.block_on(async {
-        let (store, server) = rendezvous_store(&cfg, opts.init_timeout).await?;
-        let pg = ProcessGroup::connect(TokioNet, store, cfg.rank, cfg.world_size, opts).await?;
-        Ok::<_, InitError>(pg.with_owned(server, None))
-    })?;
-    Ok(pg.with_owned(None, Some(runtime)))
 }
 
 /// The job's store, as torchrun's env:// sets it up: rank 0 hosts it on `MASTER_PORT` (unless

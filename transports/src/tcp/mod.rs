@@ -53,7 +53,7 @@ use tokio::sync::Notify;
 use tokio::task::JoinHandle;
 
 pub use device::{DeviceProcessGroup, DeviceSubmitError};
-pub use init::{InitConfig, init_process_group, init_process_group_with, rendezvous_store};
+pub use init::{InitConfig, init_process_group, init_process_group_with, rendezvous_store, runtime};
 pub use monitored::{MONITORED_BARRIER_TAG, MonitoredBarrierError};
 pub use options::{
     BUSY_POLL_MAX_BYTES, EnvError, MAX_CONNECTIONS_PER_PEER, MAX_IO_THREADS, TcpOptions, resolve_bind_addr,

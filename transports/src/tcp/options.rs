@@ -65,7 +65,8 @@ pub struct TcpOptions {
     /// for runs at once; otherwise it spins between yields 20 µs apart.
     pub oversubscribed: bool,
     /// On an oversubscribed host, the core the worker threads of the runtime that
-    /// [`init_process_group`](super::init_process_group) builds keep to, counted round the cores
+    /// [`init_process_group`](super::init_process_group) builds ([`runtime`](super::runtime),
+    /// which `cohort_torch` uses too) keep to, counted round the cores
     /// this process may use: this rank's `LOCAL_RANK`, so that the host's ranks' threads, which
     /// write a large collective's frames, are spread evenly (left to the
     /// kernel, four ranks' threads on two cores spent long stretches three or four to a core:
