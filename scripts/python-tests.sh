@@ -8,9 +8,9 @@
 #
 # The extension is built in cargo's dev profile, not the release one `pip install ./python` uses:
 # the dev profile's dependencies (optimised, `profile.dev.package."*"`) are the ones the Rust
-# test build (`cargo test`, same target/debug) compiles, so the two builds share them instead
-# of compiling tokio and the rest twice, the second time with fat LTO; and the tests run with
-# debug assertions on. Benchmarks (`python/bench/`) want the release build: run
+# test build (`cargo test`, same target/debug) compiles, so the two builds share most of them
+# (not tokio, serde and the few others the workspace turns more features on for) instead of
+# compiling all of them again with fat LTO; and the tests run with debug assertions on. Benchmarks (`python/bench/`) want the release build: run
 # `pip install --no-build-isolation ./python` in the venv first.
 #
 # `--venv-only`: make the venv and install into it, then stop (CI does this in the background
