@@ -471,10 +471,17 @@ impl FlightRecorder {
         for t in req.inputs.iter().chain(req.outputs) {
             slot.push_tensor(t.dtype(), t.shape());
         }
-        // The next record writes the next slot, last written `capacity` records ago and out of
-        // the cache by now in a full ring: its lines are asked for while this collective runs.
-        if let Some(next) = self.slots.get(if index + 1 < capacity { index + 1 } else { 0 }) {
-            next.prefetch();
+        // The next records write the next slots, last written `capacity` records ago and out of
+        // the cache by now in a full ring: their lines are asked for while this collective
+        // runs. The slot after next is asked for by address alone; the next one's vectors
+        // through its pointers, whose lines this record asked for one record ago. (Reading the
+        // pointers of a slot not asked for is a miss the thread waits for.)
+        let after = |k: usize| if index + k < capacity { index + k } else { index + k - capacity };
+        if let Some(next) = self.slots.get(after(2)) {
+            next.prefetch_lines();
+        }
+        if let Some(next) = self.slots.get(after(1)) {
+            next.prefetch_vectors();
         }
         Some(RecordId { seq, index })
     }
@@ -734,18 +741,18 @@ impl Slot {
 
     /// Ask the cache for this slot's lines and the first of each of its vectors (a hint: it
     /// waits for nothing, and does nothing on targets without one).
-    fn prefetch(&self) {
-        #[cfg(target_arch = "x86_64")]
-        {
-            use std::arch::x86_64::{_MM_HINT_T0, _mm_prefetch};
-            let slot = (self as *const Slot).cast::<i8>();
-            let lines = (0..size_of::<Slot>()).step_by(64).map(|at| slot.wrapping_add(at));
-            let vectors = [self.ranks.as_ptr().cast::<i8>(), self.dims.as_ptr().cast(), self.dtypes.as_ptr().cast()];
-            for line in lines.chain(vectors) {
-                // SAFETY: a prefetch reads nothing the program sees and cannot fault, whatever
-                // the address.
-                unsafe { _mm_prefetch::<_MM_HINT_T0>(line) };
-            }
+    /// Ask for the slot's own lines (its address only: nothing is read).
+    fn prefetch_lines(&self) {
+        let slot = (self as *const Slot).cast::<i8>();
+        for at in (0..size_of::<Slot>()).step_by(64) {
+            prefetch(slot.wrapping_add(at));
+        }
+    }
+
+    /// Ask for the lines its vectors point to (reads the slot's pointers).
+    fn prefetch_vectors(&self) {
+        for line in [self.ranks.as_ptr().cast::<i8>(), self.dims.as_ptr().cast(), self.dtypes.as_ptr().cast()] {
+            prefetch(line);
         }
     }
 
@@ -754,6 +761,18 @@ impl Slot {
         self.dims.extend(shape.iter().map(|&d| d as u64));
         self.dtypes.push(dtype);
     }
+}
+
+/// Ask for the cache line at `line`.
+#[inline]
+fn prefetch(line: *const i8) {
+    #[cfg(target_arch = "x86_64")]
+    // SAFETY: a prefetch reads nothing the program sees and cannot fault, whatever the address.
+    unsafe {
+        std::arch::x86_64::_mm_prefetch::<{ std::arch::x86_64::_MM_HINT_T0 }>(line)
+    };
+    #[cfg(not(target_arch = "x86_64"))]
+    let _ = line;
 }
 
 /// A sequence number as `pg_status` holds it (`int64_t`).
