@@ -261,7 +261,18 @@ impl Inner {
     }
 
     /// Perform the effects gathered by [`Inner::input_into`]. Call with no lock held.
+    ///
+    /// Inlined, so that a caller with nothing gathered (a small work ended in its submit call,
+    /// most often) does not copy the gathering to pass it.
+    #[inline]
     pub(crate) fn finish_inputs(self: &Arc<Self>, acc: Deferred) {
+        if acc.dials.is_empty() && acc.effects.is_empty() {
+            return;
+        }
+        self.perform(acc);
+    }
+
+    fn perform(self: &Arc<Self>, acc: Deferred) {
         for (peer, lanes) in acc.dials {
             (self.dialer)(self.clone(), peer, lanes);
         }

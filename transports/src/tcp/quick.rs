@@ -180,31 +180,34 @@ pub(super) fn allreduce(
         let Some((plan, mut held)) = ready else {
             return usual(st, fx, super::allreduce_collective(&tensors), tensors);
         };
-        let collective = st.quick_collective(&tensors[0]);
+        st.quick_collective(&tensors[0]);
         let started = super::now();
-        let mut exchange = match st.quick_start(started, &collective, tensors, op, plan, hook) {
+        let mut exchange = match st.quick_start(started, tensors, op, plan, hook) {
             Err(e) => return (Err(e), None),
-            Ok(QuickStart::Busy(tensors)) => return usual(st, fx, collective, tensors),
+            Ok(QuickStart::Busy(tensors)) => {
+                let collective = st.take_quick_collective(&tensors);
+                return usual(st, fx, collective, tensors);
+            }
             Ok(QuickStart::Unsent(exchange, gone)) => {
-                let work = st.quick_unsent(started, exchange, collective, gone, fx);
+                let work = st.quick_unsent(started, exchange, gone, fx);
                 return (Ok(QuickEnd::Work(work)), None);
             }
             Ok(QuickStart::Sent(exchange)) => exchange,
         };
         match held.wait_for(inner.quick.wait(), |header, payload| exchange.take(header, payload)) {
             Waited::Took => {
-                let end = st.quick_finish(super::now(), exchange, collective, fx);
+                let end = st.quick_finish(super::now(), exchange, fx);
                 inner.quick.took();
                 took = Some(started);
                 (Ok(end), None)
             }
             waited @ (Waited::Other | Waited::Late) => {
-                let work = st.quick_hand_off(super::now(), exchange, collective, false, fx);
+                let work = st.quick_hand_off(super::now(), exchange, false, fx);
                 inner.quick.handed_off(matches!(waited, Waited::Late));
                 (Ok(QuickEnd::Work(work)), None)
             }
             Waited::End(last) => {
-                let work = st.quick_hand_off(super::now(), exchange, collective, false, fx);
+                let work = st.quick_hand_off(super::now(), exchange, false, fx);
                 inner.quick.handed_off(false);
                 (Ok(QuickEnd::Work(work)), Some(last))
             }

@@ -68,6 +68,10 @@ impl Finished {
         self.0.push(done);
     }
 
+    pub(crate) fn is_empty(&self) -> bool {
+        self.0.is_empty()
+    }
+
     /// Wake every waiter and run the hooks, in the order the works finished. Call with no lock
     /// held.
     pub(crate) fn complete(self) {
@@ -93,6 +97,17 @@ pub(crate) struct Effects {
     ///
     /// [`BufferPool::reserve`]: super::link::BufferPool::reserve
     pub(crate) reserve: Vec<(super::link::BufferPool, usize, usize)>,
+}
+
+impl Effects {
+    /// Whether there is nothing to perform.
+    pub(crate) fn is_empty(&self) -> bool {
+        self.finished.is_empty()
+            && self.failed.is_none()
+            && self.tear_down.is_none()
+            && !self.rearm_timer
+            && self.reserve.is_empty()
+    }
 }
 
 /// The lanes this rank writes on, by peer: only peers it is connected to have an entry.
@@ -320,15 +335,23 @@ impl DriverState {
         (to == peer).then_some(QuickPlan { reduction, peer, step })
     }
 
-    /// The description of an allreduce of `tensor` alone: the last one this path ended, if it
-    /// was of the same dtype and shape, else a new one.
-    pub(crate) fn quick_collective(&mut self, tensor: &Tensor) -> Collective {
-        match self.quick_collective.take() {
-            Some(c) if matches!(&c.inputs[..], [spec] if spec.dtype == tensor.dtype() && spec.shape == tensor.shape()) => {
-                c
-            }
-            _ => super::allreduce_collective(std::slice::from_ref(tensor)),
+    /// Make the kept description the one of an allreduce of `tensor` alone: the last one this
+    /// path used stays if it was of the same dtype and shape. It stays in place for
+    /// [`DriverState::quick_start`] (a work ended in its call never moves it); a work that goes
+    /// the usual way takes it ([`DriverState::take_quick_collective`]).
+    pub(crate) fn quick_collective(&mut self, tensor: &Tensor) {
+        let same = |c: &Collective| {
+            matches!(&c.inputs[..], [spec] if spec.dtype == tensor.dtype() && spec.shape == tensor.shape())
+        };
+        if !self.quick_collective.as_ref().is_some_and(same) {
+            self.quick_collective = Some(super::allreduce_collective(std::slice::from_ref(tensor)));
         }
+    }
+
+    /// The kept description, for a work of `tensors` that leaves this path: it goes with the
+    /// work (made anew if none is kept).
+    pub(crate) fn take_quick_collective(&mut self, tensors: &[Tensor]) -> Collective {
+        self.quick_collective.take().unwrap_or_else(|| super::allreduce_collective(tensors))
     }
 
     /// A user's allreduce that [`DriverState::quick_plan`] accepted, to be run in its submit
@@ -338,26 +361,29 @@ impl DriverState {
     /// itself ([`Exchange::take`]) and ends it with [`DriverState::quick_finish`] or, if the
     /// frame does not come, [`DriverState::quick_hand_off`], which gives it the usual entries.
     ///
-    /// The caller keeps the collective: the work needs it back only if it is handed off.
+    /// The work's description is the kept one ([`DriverState::quick_collective`]), which the
+    /// work takes only if it is handed off.
     pub(crate) fn quick_start(
         &mut self,
         now: Instant,
-        collective: &Collective,
         tensors: Vec<Tensor>,
         op: ReduceOp,
         plan: QuickPlan,
         hook: impl FnOnce() -> Option<crate::work::CompletionHook>,
     ) -> Result<QuickStart, SubmitError> {
         let QuickPlan { reduction, peer, step } = plan;
-        let fingerprint =
-            Some(Fingerprint { op: collective.op, dtype: Some(tensors[0].dtype()), root: collective.root });
-        let tag = fingerprint.map_or(0, Fingerprint::to_tag);
         let mode = self.mode();
         let linked = self.lanes_for(peer).is_some();
         let (gid, me) = (self.gid, self.me);
         // The frame goes out as soon as the work is numbered, before its flight-recorder entry
         // and before its `Work` is made: those overlap the frame's way to the peer.
-        let DriverState { group, writers, pool, on_written, .. } = &mut *self;
+        let DriverState { group, writers, pool, on_written, quick_collective, .. } = &mut *self;
+        let Some(collective) = quick_collective.as_ref() else {
+            return Ok(QuickStart::Busy(tensors)); // unreachable: `quick_collective` made it
+        };
+        let fingerprint =
+            Some(Fingerprint { op: collective.op, dtype: Some(tensors[0].dtype()), root: collective.root });
+        let tag = fingerprint.map_or(0, Fingerprint::to_tag);
         let tensor = &tensors[0];
         let send = |id: WorkId, seq: SeqNo| {
             if !linked {
@@ -386,19 +412,12 @@ impl DriverState {
     /// The exchange's frame did not go out at once ([`QuickStart::Unsent`]): it waits for the
     /// writer task, and the work goes to the usual path, which waits for it too; or its link
     /// is `gone`, and the work fails as any work on that link does.
-    pub(crate) fn quick_unsent(
-        &mut self,
-        now: Instant,
-        exchange: Exchange,
-        collective: Collective,
-        gone: bool,
-        effects: &mut Effects,
-    ) -> Work {
+    pub(crate) fn quick_unsent(&mut self, now: Instant, exchange: Exchange, gone: bool, effects: &mut Effects) -> Work {
         if !gone {
-            return self.quick_hand_off(now, exchange, collective, true, effects);
+            return self.quick_hand_off(now, exchange, true, effects);
         }
         let peer = exchange.peer;
-        let (id, _, work) = self.adopt(exchange, collective, effects);
+        let (id, _, work) = self.adopt(exchange, effects);
         self.group.handle_completion(now, id, dataplane::link_gone(peer));
         self.drain(now, effects);
         work
@@ -407,13 +426,7 @@ impl DriverState {
     /// The peer's frame was combined into the exchange's tensor ([`Exchange::take`]): finish
     /// the reduction and end the work as the usual path ends it (frames for it are stale from
     /// now on). Its `Work` is made when the lock is released ([`QuickEnd::Ended`]).
-    pub(crate) fn quick_finish(
-        &mut self,
-        now: Instant,
-        mut exchange: Exchange,
-        collective: Collective,
-        effects: &mut Effects,
-    ) -> QuickEnd {
+    pub(crate) fn quick_finish(&mut self, now: Instant, mut exchange: Exchange, effects: &mut Effects) -> QuickEnd {
         let peer = exchange.peer;
         let end = match exchange.reduction.finalize(exchange.tensors[0].bytes_mut(), 2) {
             Ok(()) => {
@@ -426,11 +439,10 @@ impl DriverState {
                 for payload in finished.stale {
                     self.pool.give(payload);
                 }
-                self.quick_collective = Some(collective);
                 QuickEnd::Ended(Ended { summary, tensors, hook, group: self.gid, rank: self.me })
             }
             Err(e) => {
-                let (id, _, work) = self.adopt(exchange, collective, effects);
+                let (id, _, work) = self.adopt(exchange, effects);
                 self.group.handle_peer_activity(now, peer);
                 self.group.handle_completion(now, id, Completion::Failed { rank: None, message: e.to_string() });
                 QuickEnd::Work(work)
@@ -444,15 +456,8 @@ impl DriverState {
     /// waits for the writer task (`queued`): the work goes on as any running collective whose
     /// first frame has gone (timeouts, stuck notes, desync checks and failures then apply as to
     /// every other).
-    pub(crate) fn quick_hand_off(
-        &mut self,
-        now: Instant,
-        exchange: Exchange,
-        collective: Collective,
-        queued: bool,
-        effects: &mut Effects,
-    ) -> Work {
-        let (id, Adopted { seq, peer, step, tensors, op }, work) = self.adopt(exchange, collective, effects);
+    pub(crate) fn quick_hand_off(&mut self, now: Instant, exchange: Exchange, queued: bool, effects: &mut Effects) -> Work {
+        let (id, Adopted { seq, peer, step, tensors, op }, work) = self.adopt(exchange, effects);
         if queued {
             self.count_sent(id, peer, Sent::Queued);
         }
@@ -479,10 +484,11 @@ impl DriverState {
     }
 
     /// Give the exchange's inline work the usual entries, the core's table and this data
-    /// plane's tracking (its data still with the exchange, which is given back), and its
-    /// `Work`.
-    fn adopt(&mut self, exchange: Exchange, collective: Collective, effects: &mut Effects) -> (WorkId, Adopted, Work) {
+    /// plane's tracking (its data still with the exchange, which is given back), its
+    /// description (the kept one) and its `Work`.
+    fn adopt(&mut self, exchange: Exchange, effects: &mut Effects) -> (WorkId, Adopted, Work) {
         let Exchange { inline, hook, fingerprint, peer, step, tensors, op, .. } = exchange;
+        let collective = self.take_quick_collective(&tensors);
         let (id, seq) = (inline.id(), inline.seq());
         let (work, completer) = Work::pending(id, seq, OpType::Allreduce, hook);
         completer.in_group(self.gid, self.me);
