@@ -340,9 +340,7 @@ impl DriverState {
     /// [`DriverState::quick_start`] (a work ended in its call never moves it); a work that goes
     /// the usual way takes it ([`DriverState::take_quick_collective`]).
     pub(crate) fn quick_collective(&mut self, tensor: &Tensor) {
-        let same = |c: &Collective| {
-            matches!(&c.inputs[..], [spec] if spec.dtype == tensor.dtype() && spec.shape == tensor.shape())
-        };
+        let same = |c: &Collective| matches!(&c.inputs[..], [spec] if spec.dtype == tensor.dtype() && spec.shape == tensor.shape());
         if !self.quick_collective.as_ref().is_some_and(same) {
             self.quick_collective = Some(super::allreduce_collective(std::slice::from_ref(tensor)));
         }
@@ -456,7 +454,13 @@ impl DriverState {
     /// waits for the writer task (`queued`): the work goes on as any running collective whose
     /// first frame has gone (timeouts, stuck notes, desync checks and failures then apply as to
     /// every other).
-    pub(crate) fn quick_hand_off(&mut self, now: Instant, exchange: Exchange, queued: bool, effects: &mut Effects) -> Work {
+    pub(crate) fn quick_hand_off(
+        &mut self,
+        now: Instant,
+        exchange: Exchange,
+        queued: bool,
+        effects: &mut Effects,
+    ) -> Work {
         let (id, Adopted { seq, peer, step, tensors, op }, work) = self.adopt(exchange, effects);
         if queued {
             self.count_sent(id, peer, Sent::Queued);
