@@ -739,9 +739,9 @@ impl Slot {
         }
     }
 
-    /// Ask the cache for this slot's lines and the first of each of its vectors (a hint: it
-    /// waits for nothing, and does nothing on targets without one).
-    /// Ask for the slot's own lines (its address only: nothing is read).
+    /// Ask the cache for the slot's own lines, by its address alone: nothing is read. Like
+    /// [`Slot::prefetch_vectors`], a hint: it waits for nothing, and does nothing on targets
+    /// without one.
     fn prefetch_lines(&self) {
         let slot = (self as *const Slot).cast::<i8>();
         for at in (0..size_of::<Slot>()).step_by(64) {
