@@ -10,7 +10,8 @@
 # the dev profile's dependencies (optimised, `profile.dev.package."*"`) are the ones the Rust
 # test build (`cargo test`, same target/debug) compiles, so the two builds share most of them
 # (not tokio, serde and the few others the workspace turns more features on for) instead of
-# compiling all of them again with fat LTO; and the tests run with debug assertions on. Benchmarks (`python/bench/`) want the release build: run
+# compiling all of them again with fat LTO; and the tests run with debug assertions on.
+# Benchmarks (`python/bench/`) want the release build: run
 # `pip install --no-build-isolation ./python` in the venv first.
 #
 # `--venv-only`: make the venv and install into it, then stop (CI does this in the background
