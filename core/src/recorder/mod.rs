@@ -254,6 +254,9 @@ pub struct FlightRecorder {
     slots: Slots,
     /// Number of records ever made.
     recorded: u64,
+    /// `recorded % capacity`, the slot the next record writes, kept as it moves: the capacity
+    /// is rarely a power of two, and a 64-bit division costs tens of cycles.
+    next_index: usize,
     /// Current reset epoch, and the value of `recorded` when it began.
     epoch: u64,
     epoch_start: u64,
@@ -364,6 +367,7 @@ impl FlightRecorder {
             config,
             wall_epoch_ns,
             recorded: 0,
+            next_index: 0,
             epoch: 0,
             epoch_start: 0,
             reset_at: None,
@@ -441,7 +445,8 @@ impl FlightRecorder {
             self.status_of(group).last_enqueued_collective = seq_to_status(req.collective_seq_id);
         }
 
-        let index = (seq % capacity as u64) as usize;
+        let index = self.next_index;
+        self.next_index = if index + 1 == capacity { 0 } else { index + 1 };
         if index == self.slots.len() {
             self.slots.push(Slot::empty());
         }
