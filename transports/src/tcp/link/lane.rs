@@ -200,9 +200,9 @@ impl LaneTx {
         if mode.direct
             && g.queued == 0
             && !self.tx.is_closed()
-            && let Some(socket) = g.socket.clone()
+            && let Some(socket) = g.socket.as_ref()
         {
-            done = write_now(&socket, &head, payload);
+            done = write_now(socket, &head, payload);
             if done == HEADER_LEN + payload.len() {
                 return Sent::Written;
             }
