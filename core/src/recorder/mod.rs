@@ -61,6 +61,7 @@
 //! `pg_config` is kept.
 
 mod dump;
+mod shapes;
 
 use std::collections::{BTreeMap, HashMap};
 use std::fmt;
@@ -275,6 +276,8 @@ pub struct FlightRecorder {
     /// peers for point-to-point ops), never with the number of records.
     names: Vec<Box<str>>,
     name_index: HashMap<Box<str>, u32>,
+    /// The tensor lists entries describe, each distinct one once: a slot holds its list's id.
+    shapes: shapes::Shapes,
 }
 
 #[derive(Debug)]
@@ -329,8 +332,8 @@ impl Slots {
     }
 }
 
-/// One ring entry. Its vectors keep their capacity when the slot is reused, so recording into
-/// a full ring does not allocate.
+/// One ring entry. Its tensors' description is an id in the recorder's `shapes`, so recording
+/// into a full ring allocates nothing for a description already there.
 #[derive(Debug)]
 struct Slot {
     /// Which record this is (counting every record ever made).
@@ -350,11 +353,8 @@ struct Slot {
     state: WorkState,
     error: Option<Box<str>>,
     blame: Option<Box<crate::work::Blame>>,
-    /// Number of dims of each input, then of each output; their sizes, flattened, in `dims`.
-    ranks: Vec<u32>,
-    dims: Vec<u64>,
-    dtypes: Vec<DType>,
-    inputs: u32,
+    /// Its inputs' and outputs' shapes and dtypes: an id in the recorder's `shapes`.
+    shapes: u32,
 }
 
 impl FlightRecorder {
@@ -377,6 +377,7 @@ impl FlightRecorder {
             pg_config: BTreeMap::new(),
             names: Vec::new(),
             name_index: HashMap::new(),
+            shapes: shapes::Shapes::default(),
         }
     }
 
@@ -445,6 +446,7 @@ impl FlightRecorder {
             self.status_of(group).last_enqueued_collective = seq_to_status(req.collective_seq_id);
         }
 
+        let shapes = self.shapes.acquire(req.inputs, req.outputs);
         let index = self.next_index;
         self.next_index = if index + 1 == capacity { 0 } else { index + 1 };
         if index == self.slots.len() {
@@ -469,24 +471,14 @@ impl FlightRecorder {
         slot.state = WorkState::Enqueued;
         slot.error = None;
         slot.blame = None;
-        slot.ranks.clear();
-        slot.dims.clear();
-        slot.dtypes.clear();
-        slot.inputs = u32::try_from(req.inputs.len()).unwrap_or(u32::MAX);
-        for t in req.inputs.iter().chain(req.outputs) {
-            slot.push_tensor(t.dtype(), t.shape());
-        }
+        let overwritten = std::mem::replace(&mut slot.shapes, shapes);
+        self.shapes.release(overwritten);
         // The next records write the next slots, last written `capacity` records ago and out of
-        // the cache by now in a full ring: their lines are asked for while this collective
-        // runs. The slot after next is asked for by address alone; the next one's vectors
-        // through its pointers, whose lines this record asked for one record ago. (Reading the
-        // pointers of a slot not asked for is a miss the thread waits for.)
-        let after = |k: usize| if index + k < capacity { index + k } else { index + k - capacity };
-        if let Some(next) = self.slots.get(after(2)) {
+        // the cache by now in a full ring: the slot after next is asked for while this
+        // collective runs (by address alone: nothing is read).
+        let after = if index + 2 < capacity { index + 2 } else { index + 2 - capacity };
+        if let Some(next) = self.slots.get(after) {
             next.prefetch_lines();
-        }
-        if let Some(next) = self.slots.get(after(1)) {
-            next.prefetch_vectors();
         }
         Some(RecordId { seq, index })
     }
@@ -617,15 +609,8 @@ impl FlightRecorder {
 
     fn dump_entry(&self, slot: &Slot) -> DumpEntry {
         let group = &self.groups[slot.group as usize];
-        let mut dims = slot.dims.iter().copied();
-        let mut sizes = |ranks: &[u32]| -> Vec<Vec<u64>> {
-            ranks.iter().map(|&r| dims.by_ref().take(r as usize).collect()).collect()
-        };
-        let (in_ranks, out_ranks) = slot.ranks.split_at(slot.inputs as usize);
-        let input_sizes = sizes(in_ranks);
-        let output_sizes = sizes(out_ranks);
-        let (in_dtypes, out_dtypes) = slot.dtypes.split_at(slot.inputs as usize);
-        let names = |d: &[DType]| d.iter().map(|d| d.scalar_type_name().to_owned()).collect();
+        let shapes::Described { input_sizes, input_dtypes, output_sizes, output_dtypes } =
+            self.shapes.describe(slot.shapes);
         let state = if slot.completed.is_some() {
             EntryState::Completed
         } else if slot.started.is_some() {
@@ -646,9 +631,9 @@ impl FlightRecorder {
             time_created_ns: self.wall_ns(slot.created),
             duration_ms: slot.duration.map(|d| d.as_secs_f64() * 1e3),
             input_sizes,
-            input_dtypes: names(in_dtypes),
+            input_dtypes,
             output_sizes,
-            output_dtypes: names(out_dtypes),
+            output_dtypes,
             state,
             time_discovered_started_ns: slot.started.map(|t| self.wall_ns(t)),
             time_discovered_completed_ns: slot.completed.map(|t| self.wall_ns(t)),
@@ -737,34 +722,17 @@ impl Slot {
             state: WorkState::Enqueued,
             error: None,
             blame: None,
-            ranks: Vec::new(),
-            dims: Vec::new(),
-            dtypes: Vec::new(),
-            inputs: 0,
+            shapes: shapes::NONE,
         }
     }
 
-    /// Ask the cache for the slot's own lines, by its address alone: nothing is read. Like
-    /// [`Slot::prefetch_vectors`], a hint: it waits for nothing, and does nothing on targets
-    /// without one.
+    /// Ask the cache for the slot's own lines, by its address alone: nothing is read. A hint:
+    /// it waits for nothing, and does nothing on targets without one.
     fn prefetch_lines(&self) {
         let slot = (self as *const Slot).cast::<i8>();
         for at in (0..size_of::<Slot>()).step_by(64) {
             prefetch(slot.wrapping_add(at));
         }
-    }
-
-    /// Ask for the lines its vectors point to (reads the slot's pointers).
-    fn prefetch_vectors(&self) {
-        for line in [self.ranks.as_ptr().cast::<i8>(), self.dims.as_ptr().cast(), self.dtypes.as_ptr().cast()] {
-            prefetch(line);
-        }
-    }
-
-    fn push_tensor(&mut self, dtype: DType, shape: &[usize]) {
-        self.ranks.push(u32::try_from(shape.len()).unwrap_or(u32::MAX));
-        self.dims.extend(shape.iter().map(|&d| d as u64));
-        self.dtypes.push(dtype);
     }
 }
 

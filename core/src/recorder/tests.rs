@@ -309,6 +309,33 @@ fn tensors_record_their_shapes_and_scalar_type_names() {
     assert_eq!(e.output_dtypes, vec!["BFloat16"]);
 }
 
+#[test]
+fn shapes_that_change_as_the_ring_turns_are_each_dumped_as_recorded_and_kept_at_most_once_a_slot() {
+    let mut fr = recorder(3);
+    let dims: Vec<Vec<usize>> = (1..=12).map(|n| vec![n % 4 + 1, n]).collect();
+    for (seq, d) in dims.iter().enumerate() {
+        let dtype = if seq % 3 == 0 { DType::I64 } else { DType::F32 };
+        let metas = [TensorMeta { dtype, shape: d }];
+        fr.record(ms(seq as u64), &RecordRequest { inputs: &metas, outputs: &metas, ..allreduce(seq as u64) }).unwrap();
+        assert!(fr.shapes.live() <= 3, "record {seq}: {} descriptions for 3 slots", fr.shapes.live());
+    }
+    let dump = fr.dump(meta());
+    for (e, seq) in dump.entries.iter().zip(9..12) {
+        assert_eq!(e.input_sizes, vec![dims[seq].iter().map(|&d| d as u64).collect::<Vec<_>>()]);
+        assert_eq!(e.output_sizes, e.input_sizes);
+        let name = if seq % 3 == 0 { "Long" } else { "Float" };
+        assert_eq!(
+            (e.input_dtypes.as_slice(), e.output_dtypes.as_slice()),
+            ([name.to_string()].as_slice(), [name.to_string()].as_slice())
+        );
+    }
+    // A loop of one shape: one description, however many records.
+    for seq in 12..40 {
+        fr.record(ms(seq), &allreduce(seq)).unwrap();
+    }
+    assert_eq!(fr.shapes.live(), 1);
+}
+
 /// A small dump with fixed times: two groups, a completed allreduce, a started broadcast that
 /// then timed out, a queued send, and a barrier with no tensors.
 fn small_dump() -> Dump {
