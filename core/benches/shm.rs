@@ -12,7 +12,7 @@ use std::hint::black_box;
 use std::sync::mpsc;
 use std::time::{Duration, Instant};
 
-use cohort_core::group::Inline;
+use cohort_core::group::{Checked, Inline};
 use cohort_core::protocol::{FrameHeader, FrameLimits, HEADER_LEN};
 use cohort_core::shm::{Consumer, Direction, Producer, Segment};
 use cohort_core::work::OpType;
@@ -59,13 +59,13 @@ impl Side for Bare {
 
 /// The exchange with the core's bookkeeping of a work that ends in its submit call around it,
 /// as the transport's two-rank path keeps it: the clock read at submission and at the end,
-/// [`GroupState::submit_inline`] (checks, sequence number, flight-recorder entry, desync
-/// signature; the frame goes as soon as the work is numbered) and
+/// [`GroupState::submit_inline`] (checks, made once for the kept description; sequence number,
+/// flight-recorder entry, desync signature; the frame goes as soon as the work is numbered) and
 /// [`GroupState::finish_inline`]. What is left between this and `cohort bench` is the
 /// transport's and the API's own cost.
 struct Core {
     group: GroupState,
-    collective: Collective,
+    collective: Checked,
 }
 
 impl Core {
@@ -73,6 +73,7 @@ impl Core {
         #[allow(clippy::disallowed_methods)] // a benchmark's own clock; the core has none
         let group = GroupState::new(GroupConfig::new(2), me, Instant::now());
         let collective = Collective::new(OpType::Allreduce).inputs(vec![TensorSpec::new(DType::F32, &[1])]);
+        let collective = Checked::new(collective, me, 2).expect("a valid allreduce");
         Core { group, collective }
     }
 }

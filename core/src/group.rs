@@ -500,6 +500,34 @@ impl Collective {
     }
 }
 
+/// A collective whose arguments passed [`Collective::validate`] for one rank of one group size.
+/// A caller that submits the same description again and again (a loop of one small allreduce,
+/// [`GroupState::submit_inline`]) keeps it checked, and the group does not check it again.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Checked {
+    collective: Collective,
+    rank: Rank,
+    world_size: u32,
+}
+
+impl Checked {
+    /// `collective`, checked for rank `me` of a group of `world_size`.
+    pub fn new(collective: Collective, me: Rank, world_size: u32) -> Result<Checked, SubmitError> {
+        collective.validate(me, world_size)?;
+        Ok(Checked { collective, rank: me, world_size })
+    }
+
+    /// The collective.
+    pub fn collective(&self) -> &Collective {
+        &self.collective
+    }
+
+    /// The collective, to submit the usual way.
+    pub fn into_inner(self) -> Collective {
+        self.collective
+    }
+}
+
 fn count_splits(op: OpType, splits: &[usize], n: usize, numel: usize, arg: &'static str) -> Result<(), SubmitError> {
     if splits.len() != n {
         return Err(SubmitError::InvalidArgument {
@@ -1016,15 +1044,19 @@ impl GroupState {
     pub fn submit_inline<T>(
         &mut self,
         now: Instant,
-        collective: &Collective,
+        checked: &Checked,
         first: impl FnOnce(WorkId, SeqNo) -> T,
     ) -> Result<Inline<T>, SubmitError> {
+        let collective = &checked.collective;
         let idle = self.works.is_empty() && self.launches.is_empty() && self.running == 0;
         if !idle || collective.op.is_p2p() || !matches!(self.health, Health::Healthy) {
             return Ok(Inline::Busy);
         }
         let now = self.since_epoch(now);
-        let (id, seq, timeout) = self.admit_checks(now, collective)?;
+        // Checked for this rank and size already: not again (a description checked for
+        // another group is).
+        let checked = checked.rank == self.rank && checked.world_size == self.cfg.world_size;
+        let (id, seq, timeout) = self.admit_checks(now, collective, checked)?;
         let sent = first(id, seq);
         let record = self.admit_record(now, collective, seq, timeout);
         let mut lifecycle = Lifecycle::new(now);
@@ -1064,17 +1096,19 @@ impl GroupState {
 
     /// The checks, sequence number, flight-recorder entry and desync signature of a new work.
     fn admit(&mut self, now: Duration, collective: &Collective) -> Result<Admitted, SubmitError> {
-        let (id, seq, timeout) = self.admit_checks(now, collective)?;
+        let (id, seq, timeout) = self.admit_checks(now, collective, false)?;
         let record = self.admit_record(now, collective, seq, timeout);
         Ok(Admitted { id, seq, timeout, record })
     }
 
     /// [`GroupState::admit`]'s first half: the checks, then the work's id, sequence number and
-    /// timeout.
+    /// timeout. A collective already `checked` for this rank and group size is not validated
+    /// again.
     fn admit_checks(
         &mut self,
         now: Duration,
         collective: &Collective,
+        checked: bool,
     ) -> Result<(WorkId, SeqNo, Duration), SubmitError> {
         match &self.health {
             Health::Healthy => {}
@@ -1085,7 +1119,9 @@ impl GroupState {
             }
             Health::Aborted(cause) => return Err(SubmitError::Aborted { cause: cause.clone() }),
         }
-        collective.validate(self.rank, self.cfg.world_size)?;
+        if !checked {
+            collective.validate(self.rank, self.cfg.world_size)?;
+        }
         if let Some((&rank, _)) = self.lost.iter().find(|(r, _)| collective.needs_peer(self.rank, **r)) {
             return Err(SubmitError::PeerLost { op: collective.op, rank, reason: self.lost[&rank].clone() });
         }
@@ -2229,6 +2265,11 @@ mod tests {
         GroupState::new(g.config().clone(), Rank(0), t0)
     }
 
+    /// `c`, checked for rank 0 of two (the groups of the inline tests).
+    fn checked(c: Collective) -> Checked {
+        Checked::new(c, Rank(0), 2).unwrap()
+    }
+
     /// The usual path of one allreduce on `g`: submitted and started at `at`, its result at
     /// `done` (`None`: left running). The finished work's summary, if it finished.
     fn run_usual(g: &mut GroupState, at: Instant, done: Option<Instant>) -> Option<WorkSummary> {
@@ -2251,7 +2292,7 @@ mod tests {
         let (mut usual, mut inline) = (group_at(t0), group_at(t0));
         for i in 0..3 {
             let want = run_usual(&mut usual, ms(10 * i), Some(ms(10 * i + 3))).unwrap();
-            let first = inline.submit_inline(ms(10 * i), &allreduce(4), |id, seq| (id, seq)).unwrap();
+            let first = inline.submit_inline(ms(10 * i), &checked(allreduce(4)), |id, seq| (id, seq)).unwrap();
             let Inline::Running(w, numbers) = first else { panic!("an idle group runs it inline") };
             assert_eq!((w.id(), w.seq()), (want.id, want.seq));
             assert_eq!(numbers, (want.id, want.seq), "`first` ran with the work's numbers");
@@ -2264,7 +2305,9 @@ mod tests {
 
         // Adopted: it finishes by the usual completion, as the usual work does.
         let want = run_usual(&mut usual, ms(40), Some(ms(45))).unwrap();
-        let Inline::Running(w, ()) = inline.submit_inline(ms(40), &allreduce(4), |_, _| ()).unwrap() else { panic!() };
+        let Inline::Running(w, ()) = inline.submit_inline(ms(40), &checked(allreduce(4)), |_, _| ()).unwrap() else {
+            panic!()
+        };
         let id = w.id();
         inline.adopt_inline(w, allreduce(4));
         assert_eq!(inline.work_state(id), Some(WorkState::Started));
@@ -2276,7 +2319,9 @@ mod tests {
         // Adopted and never answered: it times out at its submission plus the timeout, with
         // what the usual work's timeout says; both groups then refuse the next submit alike.
         run_usual(&mut usual, ms(50), None);
-        let Inline::Running(w, ()) = inline.submit_inline(ms(50), &allreduce(4), |_, _| ()).unwrap() else { panic!() };
+        let Inline::Running(w, ()) = inline.submit_inline(ms(50), &checked(allreduce(4)), |_, _| ()).unwrap() else {
+            panic!()
+        };
         inline.adopt_inline(w, allreduce(4));
         for g in [&mut usual, &mut inline] {
             g.handle_timeout(ms(50) + Duration::from_secs(10) - Duration::from_millis(1));
@@ -2296,7 +2341,7 @@ mod tests {
         assert_eq!(inline.dump(), usual.dump());
         // A failed group takes nothing inline: the caller's usual submit is refused.
         let mut ran = false;
-        let busy = inline.submit_inline(ms(60_000), &allreduce(4), |_, _| ran = true);
+        let busy = inline.submit_inline(ms(60_000), &checked(allreduce(4)), |_, _| ran = true);
         assert!(matches!(busy, Ok(Inline::Busy)) && !ran, "`first` does not run on a failed group");
         let refused = |g: &mut GroupState| g.submit(ms(60_000), allreduce(4)).unwrap_err();
         assert_eq!(refused(&mut inline), refused(&mut usual));
@@ -2308,7 +2353,7 @@ mod tests {
         let (mut g, t0) = group(2, 0, ErrorHandling::CleanUpOnly);
         let a = g.submit(t0, allreduce(4)).unwrap();
         let mut ran = false;
-        match g.submit_inline(t0, &allreduce(4), |_, _| ran = true).unwrap() {
+        match g.submit_inline(t0, &checked(allreduce(4)), |_, _| ran = true).unwrap() {
             Inline::Busy => {}
             Inline::Running(w, ()) => panic!("{w:?} ran inline beside work {a}"),
         }
@@ -2318,7 +2363,22 @@ mod tests {
         // Point-to-point ops never run inline.
         let (mut g, t0) = group(2, 0, ErrorHandling::CleanUpOnly);
         let send = Collective::new(OpType::Send).inputs(vec![TensorSpec::new(DType::F32, &[4])]).peer(Rank(1), 0);
-        assert!(matches!(g.submit_inline(t0, &send, |_, _| panic!("not inline")), Ok(Inline::Busy)));
+        assert!(matches!(g.submit_inline(t0, &checked(send), |_, _| panic!("not inline")), Ok(Inline::Busy)));
+    }
+
+    #[test]
+    fn a_description_checked_for_another_group_is_checked_again() {
+        let (mut g, t0) = group(2, 0, ErrorHandling::CleanUpOnly);
+        let bcast =
+            |root| Collective::new(OpType::Broadcast).inputs(vec![TensorSpec::new(DType::F32, &[4])]).root(Rank(root));
+        // Root 3 is a rank of a group of four, not of this one of two.
+        let elsewhere = Checked::new(bcast(3), Rank(0), 4).unwrap();
+        let refused = g.submit_inline(t0, &elsewhere, |_, _| panic!("refused before its frame")).unwrap_err();
+        assert_eq!(refused, Checked::new(bcast(3), Rank(0), 2).unwrap_err());
+        assert!(matches!(refused, SubmitError::InvalidRoot { .. }), "{refused:?}");
+        assert_eq!(g.seq(), SeqNo(0), "nothing was numbered");
+        let Inline::Running(w, ()) = g.submit_inline(t0, &checked(bcast(1)), |_, _| ()).unwrap() else { panic!() };
+        assert_eq!(w.seq(), SeqNo(1));
     }
 
     #[test]

@@ -22,7 +22,8 @@
 //!    hold of the state);
 //! 2. submits the work to the core as an inline work
 //!    ([`GroupState::submit_inline`](cohort_core::group::GroupState::submit_inline)): its
-//!    checks, sequence number, flight-recorder entry and desync signature are any work's, but it
+//!    checks, sequence number, flight-recorder entry and desync signature are any work's (the
+//!    checks made once for a description the path keeps from work to work), but it
 //!    stays out of the core's table (no deadline timers, launch queue or finished event) and out
 //!    of the data plane's, since it ends before the group's next input. Its frame goes as the
 //!    executor would send it, as soon as the work has passed its checks and has its sequence

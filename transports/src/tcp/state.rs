@@ -16,7 +16,8 @@ use std::time::Instant;
 use bytes::Bytes;
 use cohort_core::dataplane::{self, AfterWrite, DataFrame, DataPlane, PeerClosed, Route};
 use cohort_core::group::{
-    Collective, Completion, ControlMsg, Event, GroupState, Inline, InlineWork, Launch, SubmitError, WorkSummary,
+    Checked, Collective, Completion, ControlMsg, Event, GroupState, Inline, InlineWork, Launch, SubmitError,
+    WorkSummary,
 };
 use cohort_core::p2p::Matcher;
 use cohort_core::protocol::{Fingerprint, FrameHeader, FrameKind, decode_control, encode_control};
@@ -133,8 +134,8 @@ pub(crate) struct DriverState {
     /// The description of the last collective the two-rank path ended, for the next allreduce
     /// of the same dtype and shape ([`DriverState::quick_collective`]): a loop of one small
     /// allreduce describes the same collective at every work, and describing it takes two
-    /// allocations.
-    quick_collective: Option<Collective>,
+    /// allocations. It was checked when it was made, and is not checked again.
+    quick_collective: Option<Checked>,
     /// p2p matching: posted receives, and payloads nobody has asked for yet.
     p2p: Matcher<WorkId>,
     /// The ranks a running collective waits for, as last asked (one allocation for every ask).
@@ -338,18 +339,20 @@ impl DriverState {
     /// Make the kept description the one of an allreduce of `tensor` alone: the last one this
     /// path used stays if it was of the same dtype and shape. It stays in place for
     /// [`DriverState::quick_start`] (a work ended in its call never moves it); a work that goes
-    /// the usual way takes it ([`DriverState::take_quick_collective`]).
+    /// the usual way takes it ([`DriverState::take_quick_collective`]). One that fails its
+    /// checks is not kept: the usual submit then refuses it, saying why.
     pub(crate) fn quick_collective(&mut self, tensor: &Tensor) {
-        let same = |c: &Collective| matches!(&c.inputs[..], [spec] if spec.dtype == tensor.dtype() && spec.shape == tensor.shape());
+        let same = |c: &Checked| matches!(&c.collective().inputs[..], [spec] if spec.dtype == tensor.dtype() && spec.shape == tensor.shape());
         if !self.quick_collective.as_ref().is_some_and(same) {
-            self.quick_collective = Some(super::allreduce_collective(std::slice::from_ref(tensor)));
+            let collective = super::allreduce_collective(std::slice::from_ref(tensor));
+            self.quick_collective = Checked::new(collective, self.me, self.group.config().world_size).ok();
         }
     }
 
     /// The kept description, for a work of `tensors` that leaves this path: it goes with the
     /// work (made anew if none is kept).
     pub(crate) fn take_quick_collective(&mut self, tensors: &[Tensor]) -> Collective {
-        self.quick_collective.take().unwrap_or_else(|| super::allreduce_collective(tensors))
+        self.quick_collective.take().map_or_else(|| super::allreduce_collective(tensors), Checked::into_inner)
     }
 
     /// A user's allreduce that [`DriverState::quick_plan`] accepted, to be run in its submit
@@ -376,9 +379,11 @@ impl DriverState {
         // The frame goes out as soon as the work is numbered, before its flight-recorder entry
         // and before its `Work` is made: those overlap the frame's way to the peer.
         let DriverState { group, writers, pool, on_written, quick_collective, .. } = &mut *self;
-        let Some(collective) = quick_collective.as_ref() else {
-            return Ok(QuickStart::Busy(tensors)); // unreachable: `quick_collective` made it
+        let Some(checked) = quick_collective.as_ref() else {
+            // Its description failed its checks: the usual submit says why.
+            return Ok(QuickStart::Busy(tensors));
         };
+        let collective = checked.collective();
         let fingerprint =
             Some(Fingerprint { op: collective.op, dtype: Some(tensors[0].dtype()), root: collective.root });
         let tag = fingerprint.map_or(0, Fingerprint::to_tag);
@@ -393,7 +398,7 @@ impl DriverState {
             let lane = writers.get(&peer).and_then(|l| l.lane_for(&header, tensor.nbytes()));
             lane.map_or(Sent::Gone, |l| l.send_slice(header, tensor.bytes(), written, mode, |b| pool.bytes(b)))
         };
-        let (inline, sent) = match group.submit_inline(now, collective, send)? {
+        let (inline, sent) = match group.submit_inline(now, checked, send)? {
             Inline::Running(inline, sent) => (inline, sent),
             // The core had something in flight after all: the usual path takes it.
             Inline::Busy => return Ok(QuickStart::Busy(tensors)),
