@@ -752,10 +752,21 @@ impl Pending {
 
 /// One iteration: submit the op on every tensor of `data` (one work each), then wait for all.
 fn once(pg: &ProcessGroup, args: &BenchArgs, mut data: Vec<Tensor>, count: usize) -> Result<Vec<Tensor>, String> {
+    if let ([_], BenchOp::Allreduce) = (&data[..], args.op) {
+        // One allreduce in flight (the default): the vector goes in and comes back as the
+        // work's outputs, as a user's loop of `tensors = pg.allreduce(tensors, op).result()`
+        // has it, so that the loop allocates nothing of its own in a small op's time.
+        let fail = |e: &dyn std::fmt::Display| format!("{}: {e}", args.op.name());
+        let out = pg.allreduce(data, args.redop).map_err(|e| fail(&e))?.result().map_err(|e| fail(&e))?;
+        if out.len() != 1 {
+            return Err(format!("{}: {} output tensors, not 1", args.op.name(), out.len()));
+        }
+        return Ok(out);
+    }
     if let [_] = &data[..] {
-        // One in flight (the default): the vector carries the tensor to the next iteration,
-        // and no vector of pending works is built, so that the loop's own allocations stay
-        // out of a small op's time.
+        // One in flight: the vector carries the tensor to the next iteration, and no vector of
+        // pending works is built, so that the loop's own allocations stay out of a small op's
+        // time.
         let t = data.pop().expect("one tensor");
         data.push(submit(pg, args, t, count)?.wait(args)?);
         return Ok(data);
