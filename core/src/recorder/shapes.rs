@@ -70,13 +70,15 @@ impl Shapes {
             None => {
                 let key: Box<[u64]> = self.scratch.as_slice().into();
                 let id = match self.free.pop() {
-                    Some(id) => id,
+                    Some(id) => {
+                        self.table[id as usize] = (key.clone(), 0);
+                        id
+                    }
                     None => {
-                        self.table.push((Box::default(), 0));
+                        self.table.push((key.clone(), 0));
                         u32::try_from(self.table.len() - 1).expect("fewer than 2^32 descriptions")
                     }
                 };
-                self.table[id as usize] = (key.clone(), 0);
                 self.index.insert(key, id);
                 id
             }
