@@ -1055,8 +1055,8 @@ impl GroupState {
         let now = self.since_epoch(now);
         // Checked for this rank and size already: not again (a description checked for
         // another group is).
-        let checked = checked.rank == self.rank && checked.world_size == self.cfg.world_size;
-        let (id, seq, timeout) = self.admit_checks(now, collective, checked)?;
+        let already = checked.rank == self.rank && checked.world_size == self.cfg.world_size;
+        let (id, seq, timeout) = self.admit_checks(now, collective, already)?;
         let sent = first(id, seq);
         let record = self.admit_record(now, collective, seq, timeout);
         let mut lifecycle = Lifecycle::new(now);
