@@ -180,6 +180,7 @@ impl ProcessGroup {
                 state: Mutex::new(state),
                 timer: Notify::new(),
                 hook: RwLock::new(None),
+                hooked: Default::default(),
                 store,
                 runtime: tokio::runtime::Handle::current(),
                 tasks: Mutex::new(Vec::new()),

@@ -86,6 +86,9 @@ pub(crate) struct Inner {
     state: Mutex<DriverState>,
     timer: Notify,
     hook: RwLock<Option<CompletionHook>>,
+    /// Whether `hook` was ever set: a submit on the two-rank path reads `hook` only then, and
+    /// takes no lock for it otherwise.
+    hooked: std::sync::atomic::AtomicBool,
     store: Arc<dyn Store>,
     runtime: tokio::runtime::Handle,
     tasks: Mutex<Vec<JoinHandle<()>>>,
@@ -158,6 +161,21 @@ impl Polling {
     /// Whether the reader tasks must listen now: someone sleeps and nobody polls for them.
     fn relied_on(&self) -> bool {
         self.sleepers > 0 && self.active == 0
+    }
+
+    /// [`Inner::rearm_in`] at `now`, given when the last work ended in its submit call.
+    fn rearm(&self, quick_ended: Option<Instant>, now: Instant) -> socket::Rearm {
+        if self.relied_on() {
+            return socket::Rearm::Now;
+        }
+        if self.active > 0 {
+            return socket::Rearm::WhilePolling;
+        }
+        let Some(last) = self.last_finished.max(quick_ended) else { return socket::Rearm::Now };
+        match tunables::REARM_GRACE.checked_sub(now.saturating_duration_since(last)).filter(|d| !d.is_zero()) {
+            Some(left) => socket::Rearm::After(left),
+            None => socket::Rearm::Now,
+        }
     }
 }
 
@@ -329,20 +347,10 @@ impl Inner {
     }
 
     /// Whether a reader task whose epoll set fired should leave it unarmed: while threads
-    /// poll, and for [`tunables::REARM_GRACE`] after the last finished its work.
+    /// poll, and for [`tunables::REARM_GRACE`] after the last finished its work (a work ended
+    /// in its submit call counts: its thread read the ring as a polling thread does).
     pub(crate) fn rearm_in(&self) -> socket::Rearm {
-        let p = self.polls();
-        if p.relied_on() {
-            return socket::Rearm::Now;
-        }
-        if p.active > 0 {
-            return socket::Rearm::WhilePolling;
-        }
-        let Some(last) = p.last_finished else { return socket::Rearm::Now };
-        match tunables::REARM_GRACE.checked_sub(last.elapsed()).filter(|d| !d.is_zero()) {
-            Some(left) => socket::Rearm::After(left),
-            None => socket::Rearm::Now,
-        }
+        self.polls().rearm(self.quick.last_ended(), Instant::now())
     }
 
     /// Let every reader task hear of the next bytes again (someone now relies on them).
@@ -522,6 +530,7 @@ impl ProcessGroup {
     /// Call `hook` with every finished work (c10d's `register_on_completion_hook`).
     pub fn set_completion_hook(&self, hook: impl Fn(&crate::work::WorkInfo) + Send + Sync + 'static) {
         *self.inner.hook.write().unwrap_or_else(|p| p.into_inner()) = Some(Arc::new(hook));
+        self.inner.hooked.store(true, std::sync::atomic::Ordering::Release);
     }
 
     /// The flight recorder as JSON in PyTorch's schema (version 2.10).
@@ -925,5 +934,27 @@ mod tests {
         assert!(p.relied_on());
         p.active = 1;
         assert!(!p.relied_on(), "a polling thread reads for the sleeper");
+    }
+
+    #[test]
+    fn a_work_ended_in_its_submit_call_holds_the_reader_tasks_off_as_a_polled_one_does() {
+        use super::socket::Rearm;
+        use super::tunables::REARM_GRACE;
+        let now = std::time::Instant::now();
+        let ms = Duration::from_millis;
+        let mut p = Polling::new(Duration::from_micros(50));
+        assert_eq!(p.rearm(None, now), Rearm::Now, "nothing ended yet");
+        assert_eq!(p.rearm(Some(now), now), Rearm::After(REARM_GRACE), "one ended in its call just now");
+        assert_eq!(p.rearm(Some(now - ms(5)), now), Rearm::Now, "its grace has passed");
+        p.last_finished = Some(now - ms(5));
+        assert_eq!(p.rearm(Some(now), now), Rearm::After(REARM_GRACE), "the later of the two counts");
+        p.last_finished = Some(now);
+        assert_eq!(p.rearm(Some(now - ms(5)), now), Rearm::After(REARM_GRACE));
+        assert_eq!(p.rearm(None, now), Rearm::After(REARM_GRACE));
+        p.active = 1;
+        assert_eq!(p.rearm(Some(now), now), Rearm::WhilePolling);
+        p.sleepers = 1;
+        p.active = 0;
+        assert_eq!(p.rearm(Some(now), now), Rearm::Now, "a sleeper relies on the readers");
     }
 }

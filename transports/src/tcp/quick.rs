@@ -51,9 +51,9 @@
 //! (where spinning only delays it), gains nothing from the spin. `COHORT_SHM_QUICK=0` turns
 //! the path off.
 
-use std::sync::Arc;
 use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
-use std::time::Duration;
+use std::sync::{Arc, OnceLock};
+use std::time::{Duration, Instant};
 
 use cohort_core::group::SubmitError;
 use cohort_core::reduce::ReduceOp;
@@ -82,7 +82,6 @@ const SKIP_AFTER_HAND_OFF: u32 = 16;
 const MAX_SKIP_SHIFT: u32 = 8;
 
 /// When a group tries this path, and what came of it.
-#[derive(Debug)]
 pub(crate) struct Gate {
     /// How long to spin for the peer's frame, in nanoseconds: [`QUICK_WAIT`], or longer in
     /// tests that need the two ranks to meet on a crowded machine.
@@ -95,6 +94,15 @@ pub(crate) struct Gate {
     pub(crate) ended: AtomicU64,
     /// Works handed to the usual path after their frame went.
     pub(crate) handed_off: AtomicU64,
+    /// The peer's reading side, once a two-rank group's shared-memory connection is attached
+    /// ([`Gate::attach`]): a submit finds it here without the group's `readers` lock and its
+    /// reference count (a connection that ended is never held: [`FastReader::hold`]).
+    reader: OnceLock<Arc<FastReader>>,
+    /// When the last work that ended in its submit call started, in nanoseconds after `born`,
+    /// plus one (0: none yet). What a polling thread's `Polling::last_finished` is, kept apart
+    /// so that the path stores a word where it would take the polling state's lock.
+    last_ended: AtomicU64,
+    born: Instant,
 }
 
 impl Default for Gate {
@@ -105,7 +113,22 @@ impl Default for Gate {
             late: AtomicU32::new(0),
             ended: AtomicU64::new(0),
             handed_off: AtomicU64::new(0),
+            reader: OnceLock::new(),
+            last_ended: AtomicU64::new(0),
+            born: Instant::now(),
         }
+    }
+}
+
+impl std::fmt::Debug for Gate {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Gate")
+            .field("skip", &self.skip)
+            .field("late", &self.late)
+            .field("ended", &self.ended)
+            .field("handed_off", &self.handed_off)
+            .field("attached", &self.reader.get().is_some())
+            .finish_non_exhaustive()
     }
 }
 
@@ -124,9 +147,24 @@ impl Gate {
         true
     }
 
-    fn took(&self) {
+    /// A work that started `at` ended in its submit call. Only a thread that holds the group's
+    /// state counts: a load and a store, not a locked add.
+    fn took(&self, at: Instant) {
         self.late.store(0, Ordering::Relaxed);
-        self.ended.fetch_add(1, Ordering::Relaxed);
+        self.ended.store(self.ended.load(Ordering::Relaxed) + 1, Ordering::Relaxed);
+        let ns = at.saturating_duration_since(self.born).as_nanos() as u64;
+        self.last_ended.store(ns.saturating_add(1), Ordering::Relaxed);
+    }
+
+    /// When the last work that ended in its submit call started, if any has.
+    pub(super) fn last_ended(&self) -> Option<Instant> {
+        let ns = self.last_ended.load(Ordering::Relaxed).checked_sub(1)?;
+        Some(self.born + Duration::from_nanos(ns))
+    }
+
+    /// A shared-memory connection of a two-rank group was attached: the first is the path's.
+    pub(super) fn attach(&self, reader: &Arc<FastReader>) {
+        let _ = self.reader.set(reader.clone());
     }
 
     /// A work was handed off: because the peer was `late` (which makes the next collectives
@@ -145,15 +183,13 @@ impl Gate {
 /// The peer's reading side, when `tensors`' allreduce may try this path (see the module
 /// docs): two ranks, one small tensor, the path on and not skipping, and the peer's frames
 /// coming through shared memory.
-pub(super) fn reader_for(inner: &Inner, tensors: &[Tensor]) -> Option<Arc<FastReader>> {
+pub(super) fn reader_for<'a>(inner: &'a Inner, tensors: &[Tensor]) -> Option<&'a FastReader> {
     let small = matches!(tensors, [t] if t.nbytes() <= QUICK_MAX_BYTES);
-    if !small || inner.world_size != 2 || !inner.opts.shm_quick || inner.opts.busy_poll.is_zero() || inner.quick.skip()
-    {
+    if !small || inner.world_size != 2 || !inner.opts.shm_quick || inner.opts.busy_poll.is_zero() {
         return None;
     }
-    let peer = Rank(1 - inner.rank.0);
-    let readers = inner.readers.read().unwrap_or_else(|p| p.into_inner());
-    readers.iter().find(|r| r.shared_memory_peer() == Some(peer)).cloned()
+    let reader = inner.quick.reader.get()?;
+    (!inner.quick.skip()).then_some(&**reader)
 }
 
 /// Submit `tensors`' allreduce, which [`reader_for`] let onto this path, reading the peer's
@@ -161,14 +197,17 @@ pub(super) fn reader_for(inner: &Inner, tensors: &[Tensor]) -> Option<Arc<FastRe
 /// way under the same hold of the group's state.
 pub(super) fn allreduce(
     inner: &Arc<Inner>,
-    reader: Arc<FastReader>,
+    reader: &FastReader,
     tensors: Vec<Tensor>,
     op: ReduceOp,
 ) -> Result<Work, SubmitError> {
     let peer = Rank(1 - inner.rank.0);
-    let hook = || inner.hook.read().unwrap_or_else(|p| p.into_inner()).clone();
+    let hook = || {
+        let hooked = inner.hooked.load(Ordering::Acquire);
+        hooked.then(|| inner.hook.read().unwrap_or_else(|p| p.into_inner()).clone()).flatten()
+    };
     let mut acc = Deferred::default();
-    let mut took = None;
+    let mut took = false;
     // The group's state first, then the peer's reading side if nobody else reads it: a
     // drain takes them the other way round, so this thread only tries for the reading side
     // and never waits for it while it holds the state.
@@ -198,8 +237,12 @@ pub(super) fn allreduce(
         match held.wait_for(inner.quick.wait(), |header, payload| exchange.take(header, payload)) {
             Waited::Took => {
                 let end = st.quick_finish(super::now(), exchange, fx);
-                inner.quick.took();
-                took = Some(started);
+                // This thread read the ring for its work as a polling thread does: the reader
+                // tasks may leave their wake-ups off for a while, as after a polled work
+                // (`Inner::rearm_in`). Otherwise one that re-armed finds the peer's next frame
+                // waiting, wakes, and waits for this thread's hold on the ring, at every work.
+                inner.quick.took(started);
+                took = true;
                 (Ok(end), None)
             }
             waited @ (Waited::Other | Waited::Late) => {
@@ -214,13 +257,6 @@ pub(super) fn allreduce(
             }
         }
     });
-    if let Some(at) = took {
-        // This thread read the ring for its work as a polling thread does: the reader tasks
-        // may leave their wake-ups off for a while, as after a polled work. Otherwise one that
-        // re-armed finds the peer's next frame waiting, wakes, and waits for this thread's
-        // hold on the ring, at every work.
-        inner.polls().last_finished = Some(at);
-    }
     if let Some(last) = last {
         reader.finish_held(inner, last, &mut acc);
     }
@@ -228,7 +264,7 @@ pub(super) fn allreduce(
     end.map(|end| match end {
         // Finished already: a wait has nothing to poll for or flush.
         QuickEnd::Ended(ended) => ended.into_work(),
-        QuickEnd::Work(work) if took.is_some() => work,
+        QuickEnd::Work(work) if took => work,
         // As the usual submit sets it for a work this small on a group with fast readers.
         QuickEnd::Work(work) => {
             work.set_progress(inner.progress.clone(), true);
@@ -241,7 +277,7 @@ pub(super) fn allreduce(
 mod tests {
     use std::sync::Arc;
     use std::sync::atomic::Ordering;
-    use std::time::Duration;
+    use std::time::{Duration, Instant};
 
     use cohort_core::{DType, ReduceOp, Tensor};
 
@@ -353,13 +389,16 @@ mod tests {
         let gate = super::Gate::default();
         let skipped = |gate: &super::Gate| (0..10_000).take_while(|_| gate.skip()).count();
         assert_eq!(skipped(&gate), 0, "open from the start");
+        assert_eq!(gate.last_ended(), None);
         gate.handed_off(false);
         assert_eq!(skipped(&gate), 0, "a heartbeat in the way closes nothing");
         for want in [16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 4096] {
             gate.handed_off(true);
             assert_eq!(skipped(&gate), want);
         }
-        gate.took();
+        let at = Instant::now();
+        gate.took(at);
+        assert_eq!(gate.last_ended(), Some(at), "what the reader tasks' grace counts from");
         gate.handed_off(true);
         assert_eq!(skipped(&gate), 16, "a work that ended in its call starts the count again");
         assert_eq!(gate.ended.load(Ordering::Relaxed), 1);
