@@ -144,6 +144,20 @@ impl WorkInfo {
 /// Called with every finished work (c10d's `register_on_completion_hook`).
 pub type CompletionHook = Arc<dyn Fn(&WorkInfo) + Send + Sync>;
 
+/// A finished work's call of its completion hook, if it has one, to be made with no lock held
+/// ([`Work::finished`]).
+#[must_use = "the hook is called only by `run`"]
+pub(crate) struct HookCall(Option<(CompletionHook, WorkInfo)>);
+
+impl HookCall {
+    /// Call the hook. Call with no lock held.
+    pub(crate) fn run(self) {
+        if let Some((hook, info)) = self.0 {
+            hook(&info);
+        }
+    }
+}
+
 /// Asks the runtime to abort a work.
 pub type AbortFn = Box<dyn Fn(&str) + Send + Sync>;
 
@@ -514,25 +528,23 @@ impl Work {
 
     /// A work that ended before anyone could wait for it (a collective run to its end inside
     /// its submit call, on `group`'s `rank`): made finished, as [`WorkCompleter::finish_with`]
-    /// would leave it, with the hook run. Call with no lock held.
+    /// would leave it. Its completion hook's call comes back to be made once no lock is held
+    /// ([`HookCall::run`]): the work itself may be made under the group's lock, so that what
+    /// it is made of is not moved out from under it first.
     pub(crate) fn finished(
         summary: WorkSummary,
         outputs: Vec<Tensor>,
         hook: Option<CompletionHook>,
         group: cohort_core::work::GroupId,
         rank: Rank,
-    ) -> Work {
+    ) -> (Work, HookCall) {
         let (id, seq, op) = (summary.id, summary.seq, summary.op);
-        let info = WorkInfo::of(&summary);
+        let call = HookCall(hook.map(|hook| (hook, WorkInfo::of(&summary))));
         let span = Shared::span(op, seq);
         span.record("group", group.0).record("rank", rank.0);
         Shared::note_end(&span, &summary);
         let slot = Slot { summary: Some(summary), outputs: Some(outputs), ..Slot::default() };
-        let work = Work { shared: Arc::new(Shared::new(id, seq, op, slot, span)) };
-        if let Some(hook) = &hook {
-            hook(&info);
-        }
-        work
+        (Work { shared: Arc::new(Shared::new(id, seq, op, slot, span)) }, call)
     }
 
     /// Wrap a future as a work (c10d's `FutureWrappingWork`): it succeeds with the future's

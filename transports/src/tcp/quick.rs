@@ -34,9 +34,9 @@
 //! 3. spins on the ring for up to [`QUICK_WAIT`] for the peer's frame, checks that it is this
 //!    collective's (group, sequence number, step, fingerprint tag, length), combines it into
 //!    the tensor where it lies and finalizes (the executor's order: see the core's property
-//!    test), and ends the work: its flight-recorder entry completes, and once the lock is
-//!    released its `Work` is made finished, as the usual path would have left it, and the
-//!    completion hook runs.
+//!    test), and ends the work: its flight-recorder entry completes and its `Work` is made
+//!    finished, as the usual path would have left it; once the lock is released, the completion
+//!    hook runs.
 //!
 //! Anything else goes to the one state machine: a frame that does not come in time, or any
 //! other frame at the read position, hands the work off as a running collective whose first
@@ -263,7 +263,10 @@ pub(super) fn allreduce(
     inner.finish_inputs(acc);
     end.map(|end| match end {
         // Finished already: a wait has nothing to poll for or flush.
-        QuickEnd::Ended(ended) => ended.into_work(),
+        QuickEnd::Ended(work, hook) => {
+            hook.run();
+            work
+        }
         QuickEnd::Work(work) if took => work,
         // As the usual submit sets it for a work this small on a group with fast readers.
         QuickEnd::Work(work) => {
@@ -328,6 +331,12 @@ mod tests {
             })
             .collect();
         threads.into_iter().map(|t| t.join().expect("a rank thread")).collect()
+    }
+
+    /// Sleep 10 µs; false, to try again.
+    fn sleep_a_little() -> bool {
+        std::thread::sleep(Duration::from_micros(10));
+        false
     }
 
     /// Rank `me`'s input of iteration `i`: `n` elements of `dtype`.
@@ -438,7 +447,15 @@ mod tests {
             let me = pg.rank().0;
             let calls = Arc::new(std::sync::Mutex::new(Vec::new()));
             let c = calls.clone();
-            pg.set_completion_hook(move |info| c.lock().unwrap().push((info.seq.0, info.op, info.state)));
+            // A hook may call back into the group: it runs with the group's state unlocked.
+            let inner = Arc::downgrade(&pg.inner);
+            pg.set_completion_hook(move |info| {
+                // Another thread (a runtime task) may hold it for a moment: try for a while.
+                let unlocked =
+                    inner.upgrade().is_some_and(|i| (0..1000).any(|_| i.state.try_lock().is_ok() || sleep_a_little()));
+                assert!(unlocked, "work {}: the hook ran under the group's lock", info.seq.0);
+                c.lock().unwrap().push((info.seq.0, info.op, info.state));
+            });
             for i in 0..200 {
                 let work = pg.allreduce(vec![input(me, i, 1, DType::F32)], ReduceOp::Sum).unwrap();
                 if pg.inner.quick.ended.load(Ordering::Relaxed) as usize == i + 1 {

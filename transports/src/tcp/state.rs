@@ -32,7 +32,7 @@ use cohort_core::work::OpType;
 use super::collective::{CollectiveRun, Request};
 use super::link::{Corks, Inbound, LaneRx, LaneTx, Lanes, Outbound, SendMode, Sent};
 use super::tunables::SEND_WINDOW;
-use crate::work::{Work, WorkCompleter};
+use crate::work::{HookCall, Work, WorkCompleter};
 
 /// What the user handed in with a work, and what it becomes.
 #[derive(Debug)]
@@ -428,7 +428,8 @@ impl DriverState {
 
     /// The peer's frame was combined into the exchange's tensor ([`Exchange::take`]): finish
     /// the reduction and end the work as the usual path ends it (frames for it are stale from
-    /// now on). Its `Work` is made when the lock is released ([`QuickEnd::Ended`]).
+    /// now on). Its finished `Work` is made here; its completion hook is called once the lock
+    /// is released ([`QuickEnd::Ended`]).
     pub(crate) fn quick_finish(&mut self, now: Instant, mut exchange: Exchange, effects: &mut Effects) -> QuickEnd {
         let peer = exchange.peer;
         let end = match exchange.reduction.finalize(exchange.tensors[0].bytes_mut(), 2) {
@@ -442,7 +443,8 @@ impl DriverState {
                 for payload in finished.stale {
                     self.pool.give(payload);
                 }
-                QuickEnd::Ended(Ended { summary, tensors, hook, group: self.gid, rank: self.me })
+                let (work, hook) = Work::finished(summary, tensors, hook, self.gid, self.me);
+                QuickEnd::Ended(work, hook)
             }
             Err(e) => {
                 let (id, _, work) = self.adopt(exchange, effects);
@@ -1041,30 +1043,12 @@ pub(crate) enum QuickStart {
 }
 
 /// How [`DriverState::quick_finish`] ended a collective.
-#[allow(clippy::large_enum_variant)] // moved once a call: a box would cost the allocation this path saves
 pub(crate) enum QuickEnd {
-    /// It succeeded: make its `Work` once the lock is released.
-    Ended(Ended),
+    /// It succeeded: its finished `Work`, and its hook's call to make once the lock is
+    /// released.
+    Ended(Work, HookCall),
     /// It failed, on the usual path: here is its `Work`.
     Work(Work),
-}
-
-/// A collective that succeeded in its submit call, whose `Work` is yet to be made.
-pub(crate) struct Ended {
-    summary: WorkSummary,
-    /// The caller's vector, holding the reduced tensor: the `Work`'s outputs.
-    tensors: Vec<Tensor>,
-    hook: Option<crate::work::CompletionHook>,
-    group: GroupId,
-    rank: Rank,
-}
-
-impl Ended {
-    /// Its finished `Work`, its completion hook run. Call with no lock held.
-    pub(crate) fn into_work(self) -> Work {
-        let Ended { summary, tensors, hook, group, rank } = self;
-        Work::finished(summary, tensors, hook, group, rank)
-    }
 }
 
 /// A two-rank allreduce whose frame went, waiting for the peer's ([`DriverState::quick_start`]).
