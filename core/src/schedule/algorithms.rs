@@ -549,6 +549,25 @@ mod tests {
     }
 
     #[test]
+    fn auto_gives_halving_doubling_up_to_1_mib_in_worlds_of_four_eight_sixteen_ranks_only() {
+        use crate::schedule::{HALVING_DOUBLING_MAX_BYTES, HALVING_DOUBLING_MAX_BYTES_POW2};
+        let auto = PlanOptions::default();
+        // f32 elements: the largest count each world gives halving-doubling, and one more.
+        let algorithm = |n: u32, bytes: usize| {
+            Plan::new(&ScheduleOp::Allreduce { count: bytes / 4 }, Rank(0), n, 4, auto).unwrap().algorithm()
+        };
+        for n in [4, 8, 16] {
+            assert_eq!(algorithm(n, HALVING_DOUBLING_MAX_BYTES_POW2), Algorithm::HalvingDoubling, "{n} ranks");
+            assert_eq!(algorithm(n, HALVING_DOUBLING_MAX_BYTES_POW2 + 4), Algorithm::Ring, "{n} ranks");
+        }
+        // Two ranks (as many rounds either way: the ring pipelines), or a fold-in to pay.
+        for n in [2, 3, 5, 6] {
+            assert_eq!(algorithm(n, HALVING_DOUBLING_MAX_BYTES), Algorithm::HalvingDoubling, "{n} ranks");
+            assert_eq!(algorithm(n, HALVING_DOUBLING_MAX_BYTES + 4), Algorithm::Ring, "{n} ranks");
+        }
+    }
+
+    #[test]
     fn halving_doubling_folds_in_the_extra_ranks() {
         // n = 6: p = 4, rem = 2. Ranks 0 and 2 fold into 1 and 3; new ranks: 1→0, 3→1, 4→2, 5→3.
         let hd = PlanOptions { allreduce: AllreduceAlgorithm::HalvingDoubling, chunk_bytes: 0 };

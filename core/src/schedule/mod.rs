@@ -78,6 +78,24 @@ pub const RECURSIVE_DOUBLING_MAX_BYTES: usize = 16 * 1024;
 /// fold-in's whole-buffer transfers would cost more than they save.
 pub const HALVING_DOUBLING_MAX_BYTES: usize = 256 * 1024;
 
+/// [`HALVING_DOUBLING_MAX_BYTES`] for a world of a power of two of at least four ranks, where
+/// halving-doubling's `2 log2 p` rounds are fewer than the ring's `2 (p - 1)` and it needs no
+/// fold-in. With two ranks the two take as many rounds and the ring's pipelined chunks win
+/// (1 and 2 MiB); with four ranks on two cores a 1 MiB float allreduce took 0.40–0.70 of the
+/// ring's time over TCP and 0.88–1.0 over shared memory, while from 4 MiB up the ring was as
+/// fast over TCP and faster over shared memory (`docs/performance.md`, eleventh stop).
+pub const HALVING_DOUBLING_MAX_BYTES_POW2: usize = 1024 * 1024;
+
+/// The largest allreduce, in bytes, that [`AllreduceAlgorithm::Auto`] gives halving-doubling
+/// in a world of `world_size` ranks.
+pub fn halving_doubling_max_bytes(world_size: usize) -> usize {
+    if world_size >= 4 && world_size.is_power_of_two() {
+        HALVING_DOUBLING_MAX_BYTES_POW2
+    } else {
+        HALVING_DOUBLING_MAX_BYTES
+    }
+}
+
 /// Default target size of one pipeline chunk ([`PlanOptions::chunk_bytes`]).
 pub const DEFAULT_CHUNK_BYTES: usize = 512 * 1024;
 
@@ -123,7 +141,7 @@ impl fmt::Display for BufId {
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
 pub enum AllreduceAlgorithm {
     /// Recursive doubling up to [`RECURSIVE_DOUBLING_MAX_BYTES`], halving-doubling up to
-    /// [`HALVING_DOUBLING_MAX_BYTES`], the ring above.
+    /// [`halving_doubling_max_bytes`] (which depends on the world size), the ring above.
     #[default]
     Auto,
     /// Recursive doubling: `log2 p` rounds, each exchanging the whole buffer (small messages).

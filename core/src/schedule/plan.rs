@@ -145,7 +145,9 @@ impl Plan {
                     AllreduceAlgorithm::Auto if len <= super::RECURSIVE_DOUBLING_MAX_BYTES => {
                         Algorithm::RecursiveDoubling
                     }
-                    AllreduceAlgorithm::Auto if len <= super::HALVING_DOUBLING_MAX_BYTES => Algorithm::HalvingDoubling,
+                    AllreduceAlgorithm::Auto if len <= super::halving_doubling_max_bytes(ctx.n) => {
+                        Algorithm::HalvingDoubling
+                    }
                     AllreduceAlgorithm::Auto | AllreduceAlgorithm::Ring => Algorithm::Ring,
                     AllreduceAlgorithm::RecursiveDoubling => Algorithm::RecursiveDoubling,
                     AllreduceAlgorithm::HalvingDoubling => Algorithm::HalvingDoubling,
