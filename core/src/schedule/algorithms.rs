@@ -549,7 +549,7 @@ mod tests {
     }
 
     #[test]
-    fn auto_gives_halving_doubling_up_to_1_mib_in_worlds_of_four_eight_sixteen_ranks_only() {
+    fn auto_gives_halving_doubling_up_to_1_mib_only_in_worlds_of_a_power_of_two_of_four_or_more() {
         use crate::schedule::{HALVING_DOUBLING_MAX_BYTES, HALVING_DOUBLING_MAX_BYTES_POW2};
         let auto = PlanOptions::default();
         // f32 elements: the largest count each world gives halving-doubling, and one more.

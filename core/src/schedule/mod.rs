@@ -80,10 +80,10 @@ pub const HALVING_DOUBLING_MAX_BYTES: usize = 256 * 1024;
 
 /// [`HALVING_DOUBLING_MAX_BYTES`] for a world of a power of two of at least four ranks, where
 /// halving-doubling's `2 log2 p` rounds are fewer than the ring's `2 (p - 1)` and it needs no
-/// fold-in. With two ranks the two take as many rounds and the ring's pipelined chunks win
-/// (1 and 2 MiB); with four ranks on two cores a 1 MiB float allreduce took 0.40–0.70 of the
-/// ring's time over TCP and 0.88–1.0 over shared memory, while from 4 MiB up the ring was as
-/// fast over TCP and faster over shared memory (`docs/performance.md`, eleventh stop).
+/// fold-in: up to this size the rounds, not the bytes, set the time (each waits for the ranks
+/// that are slowest to get there, which on a crowded host are off their cores). With two
+/// ranks both take two rounds and the ring's pipelined chunks win; above this size the ring's
+/// overlap wins. The measurements are in `docs/performance.md` (eleventh stop).
 pub const HALVING_DOUBLING_MAX_BYTES_POW2: usize = 1024 * 1024;
 
 /// The largest allreduce, in bytes, that [`AllreduceAlgorithm::Auto`] gives halving-doubling
