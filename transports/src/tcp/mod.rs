@@ -86,8 +86,8 @@ pub(crate) struct Inner {
     state: Mutex<DriverState>,
     timer: Notify,
     hook: RwLock<Option<CompletionHook>>,
-    /// Whether `hook` was ever set: a submit on the two-rank path reads `hook` only then, and
-    /// takes no lock for it otherwise.
+    /// Whether `hook` was ever set: a submit reads `hook` only then, and takes no lock for it
+    /// otherwise ([`Inner::completion_hook`]).
     hooked: std::sync::atomic::AtomicBool,
     store: Arc<dyn Store>,
     runtime: tokio::runtime::Handle,
@@ -260,6 +260,12 @@ impl Inner {
     }
 
     /// Run one input under the lock, then perform its effects outside it.
+    /// The completion hook, if one was set; no lock is taken while none has been.
+    pub(crate) fn completion_hook(&self) -> Option<CompletionHook> {
+        let hooked = self.hooked.load(std::sync::atomic::Ordering::Acquire);
+        hooked.then(|| self.hook.read().unwrap_or_else(|p| p.into_inner()).clone()).flatten()
+    }
+
     pub(crate) fn input<T>(self: &Arc<Self>, f: impl FnOnce(&mut DriverState, &mut Effects) -> T) -> T {
         let mut acc = Deferred::default();
         let out = self.input_into(&mut acc, f);
@@ -633,7 +639,7 @@ impl ProcessGroup {
     }
 
     fn submit(&self, collective: Collective, payload: Payload) -> Result<Work, SubmitError> {
-        let hook = self.inner.hook.read().unwrap_or_else(|p| p.into_inner()).clone();
+        let hook = self.inner.completion_hook();
         let bytes: usize =
             collective.inputs.iter().chain(&collective.outputs).map(|t| t.numel() * t.dtype.size()).sum();
         let work = self.inner.input(|st, fx| st.submit(now(), collective, payload, hook, fx))?;

@@ -202,10 +202,7 @@ pub(super) fn allreduce(
     op: ReduceOp,
 ) -> Result<Work, SubmitError> {
     let peer = Rank(1 - inner.rank.0);
-    let hook = || {
-        let hooked = inner.hooked.load(Ordering::Acquire);
-        hooked.then(|| inner.hook.read().unwrap_or_else(|p| p.into_inner()).clone()).flatten()
-    };
+    let hook = || inner.completion_hook();
     let mut acc = Deferred::default();
     let mut took = false;
     // The group's state first, then the peer's reading side if nobody else reads it: a
