@@ -12,18 +12,33 @@
 //! # Layout
 //!
 //! ```text
-//! 0      segment header, 64 bytes: magic "CoSHMv1\0", nonce u64, capacity u64,
+//! 0      segment header, 64 bytes: magic "CoSHMv2\0", nonce u64, capacity u64,
 //!        creator rank u32, acceptor rank u32, group u32, zeros
-//! 64     ring 0 (creator → acceptor): control block, 256 bytes, then `capacity` data bytes
-//! 64 + 256 + capacity
+//! 64     ring 0 (creator → acceptor): control block, 256 bytes, then the box, 1,024 bytes,
+//!        then `capacity` data bytes
+//! 64 + 1280 + capacity
 //!        ring 1 (acceptor → creator): the same
 //! ```
 //!
-//! A control block has four fields, each on a cache line of its own so that the two sides
-//! never write the same line: `tail` (bytes ever written, the producer's), `head` (bytes ever
-//! read, the consumer's), `want_data` (the consumer sleeps and wants a doorbell) and
-//! `want_space` (the producer waits for room and wants a doorbell). Positions only grow; a
-//! byte at position `p` lives at `p mod capacity`.
+//! A control block has four cache lines, so that the two sides never write the same line:
+//! `tail` (ring bytes ever written, the producer's), `head` (ring bytes ever read) and
+//! `box_head` (box entries ever read), both the consumer's, `want_data` (the consumer sleeps
+//! and wants a doorbell) and `want_space` (the producer waits for room and wants a doorbell).
+//! Positions only grow; a byte at position `p` lives at `p mod capacity`.
+//!
+//! # The box: small writes on one cache line
+//!
+//! A reader that waits for the ring's bytes pulls two cache lines from the writer's core: the
+//! writer's position, then the bytes. A small frame (a scalar allreduce's is 44 bytes) can
+//! come in one: the box is 16 slots of one line each, and a write of at most [`BOX_BYTES`]
+//! goes into the next slot when one is free. A slot holds a stamp (the entry's count plus
+//! one, as 32 bits, stored last), the length, the ring position the entry stands at (the
+//! writer's `tail` when it wrote it) and the bytes. Both ends still see one ordered stream of
+//! bytes: an entry standing at position `p` comes after the ring's bytes before `p` and before
+//! those from `p` on. The reader reads `tail` first and the next slot's stamp second, so a
+//! slot it does not see yet stands at or after the `tail` it read; `tail` does not change
+//! while only small writes go, and a reader spinning on it reads its own cache. A slot's
+//! stale stamp is always an older count's (slots are written in turn), never the one awaited.
 //!
 //! # Doorbells
 //!
@@ -43,8 +58,14 @@ use crate::work::{GroupId, Rank};
 pub const HEADER_LEN: usize = 64;
 /// Size of a ring's control block in bytes.
 pub const CONTROL_LEN: usize = 256;
+/// Slots in a ring's box.
+pub const BOX_SLOTS: u64 = 16;
+/// Size of a ring's box in bytes: one cache line a slot.
+pub const BOX_LEN: usize = BOX_SLOTS as usize * SLOT_LEN;
+/// The most bytes one box entry holds: a write of at most this many may go into the box.
+pub const BOX_BYTES: usize = SLOT_LEN - SLOT_BYTES;
 /// The segment header's first eight bytes.
-pub const SEGMENT_MAGIC: [u8; 8] = *b"CoSHMv1\0";
+pub const SEGMENT_MAGIC: [u8; 8] = *b"CoSHMv2\0";
 /// The smallest ring capacity accepted (bytes).
 pub const MIN_CAPACITY: u64 = 4096;
 /// The largest ring capacity accepted (bytes): a hostile offer cannot make a peer map more.
@@ -52,8 +73,16 @@ pub const MAX_CAPACITY: u64 = 1 << 30;
 
 const TAIL: usize = 0;
 const HEAD: usize = 64;
+const BOX_HEAD: usize = 72;
 const WANT_DATA: usize = 128;
 const WANT_SPACE: usize = 192;
+
+/// A box slot: the stamp (u32) at 0, the length (u32) at 4, the ring position (u64) at 8,
+/// the bytes from [`SLOT_BYTES`].
+const SLOT_LEN: usize = 64;
+const SLOT_LEN_AT: usize = 4;
+const SLOT_POS_AT: usize = 8;
+const SLOT_BYTES: usize = 16;
 
 /// Why a segment, a ring or an offer was refused.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -90,7 +119,7 @@ pub enum ShmError {
 /// The segment's size for rings of `capacity` bytes.
 pub fn segment_len(capacity: u64) -> Result<usize, ShmError> {
     check_capacity(capacity)?;
-    Ok(HEADER_LEN + 2 * (CONTROL_LEN + capacity as usize))
+    Ok(HEADER_LEN + 2 * (CONTROL_LEN + BOX_LEN + capacity as usize))
 }
 
 fn check_capacity(capacity: u64) -> Result<(), ShmError> {
@@ -229,8 +258,11 @@ impl Segment {
     /// the segment.
     pub fn init(&self, header: &SegmentHeader) {
         for dir in [Direction::FromCreator, Direction::FromAcceptor] {
-            for field in [TAIL, HEAD] {
+            for field in [TAIL, HEAD, BOX_HEAD] {
                 self.word(dir, field).store(0, Ordering::Relaxed);
+            }
+            for slot in 0..BOX_SLOTS {
+                self.stamp(dir, slot).store(0, Ordering::Relaxed);
             }
             for field in [WANT_DATA, WANT_SPACE] {
                 self.flag(dir, field).store(0, Ordering::Relaxed);
@@ -256,18 +288,27 @@ impl Segment {
         let tail = self.word(dir, TAIL).load(Ordering::Acquire);
         // Nothing written yet counts as read: the first write that needs more room than that
         // reads (and checks) the consumer's position.
-        Producer { seg: self.clone(), dir, tail, head_seen: tail.saturating_sub(self.capacity) }
+        let box_next = self.word(dir, BOX_HEAD).load(Ordering::Acquire);
+        Producer {
+            seg: self.clone(),
+            dir,
+            tail,
+            head_seen: tail.saturating_sub(self.capacity),
+            box_next,
+            box_seen: box_next,
+        }
     }
 
     /// The reading end of ring `dir`. Only one side may hold it.
     pub fn consumer(&self, dir: Direction) -> Consumer {
         let head = self.word(dir, HEAD).load(Ordering::Acquire);
-        Consumer { seg: self.clone(), dir, head }
+        let box_next = self.word(dir, BOX_HEAD).load(Ordering::Acquire);
+        Consumer { seg: self.clone(), dir, head, box_next, box_off: 0, box_len: 0 }
     }
 
-    /// Store `value` in control field `field` (0 tail, 1 head, 2 want_data, 3 want_space; others
-    /// are ignored) of ring `dir`, as a misbehaving peer could: what tests and the fuzzer use to
-    /// play one.
+    /// Store `value` in control field `field` (0 tail, 1 head, 2 want_data, 3 want_space, 4
+    /// box_head; others are ignored) of ring `dir`, as a misbehaving peer could: what tests and
+    /// the fuzzer use to play one.
     #[doc(hidden)]
     pub fn scribble(&self, dir: Direction, field: u8, value: u64) {
         match field {
@@ -275,14 +316,26 @@ impl Segment {
             1 => self.word(dir, HEAD).store(value, Ordering::Release),
             2 => self.flag(dir, WANT_DATA).store(value as u32, Ordering::Release),
             3 => self.flag(dir, WANT_SPACE).store(value as u32, Ordering::Release),
+            4 => self.word(dir, BOX_HEAD).store(value, Ordering::Release),
             _ => {}
         }
+    }
+
+    /// Store `value` in the 8-byte word `word` (modulo the box's 128) of ring `dir`'s box, as a
+    /// misbehaving peer could.
+    #[doc(hidden)]
+    pub fn scribble_box(&self, dir: Direction, word: u16, value: u64) {
+        let at = (word as usize % (BOX_LEN / 8)) * 8;
+        // SAFETY: `at + 8 <= BOX_LEN`, inside the box, 8-aligned, and box words are only
+        // accessed atomically or as plain bytes of a peer.
+        let w = unsafe { &*(self.boxed(dir).add(at) as *const AtomicU64) };
+        w.store(value, Ordering::Release);
     }
 
     fn control(&self, dir: Direction) -> usize {
         match dir {
             Direction::FromCreator => HEADER_LEN,
-            Direction::FromAcceptor => HEADER_LEN + CONTROL_LEN + self.capacity as usize,
+            Direction::FromAcceptor => HEADER_LEN + CONTROL_LEN + BOX_LEN + self.capacity as usize,
         }
     }
 
@@ -298,9 +351,43 @@ impl Segment {
     }
 
     fn data(&self, dir: Direction) -> *mut u8 {
-        // SAFETY: the data area starts inside the segment, right after the control block.
+        // SAFETY: the data area starts inside the segment, right after the box.
+        unsafe { self.base.as_ptr().add(self.control(dir) + CONTROL_LEN + BOX_LEN) }
+    }
+
+    fn boxed(&self, dir: Direction) -> *mut u8 {
+        // SAFETY: the box starts inside the segment, right after the control block.
         unsafe { self.base.as_ptr().add(self.control(dir) + CONTROL_LEN) }
     }
+
+    /// Box entry `count`'s slot.
+    fn slot(&self, dir: Direction, count: u64) -> *mut u8 {
+        // SAFETY: `count % BOX_SLOTS` slots of `SLOT_LEN` bytes fit in the box.
+        unsafe { self.boxed(dir).add((count % BOX_SLOTS) as usize * SLOT_LEN) }
+    }
+
+    fn stamp(&self, dir: Direction, count: u64) -> &AtomicU32 {
+        // SAFETY: a slot's first 4 bytes, 64-aligned, only ever accessed atomically (or as a
+        // peer's plain bytes, which it may be: any value is fine).
+        unsafe { &*(self.slot(dir, count) as *const AtomicU32) }
+    }
+
+    fn slot_len(&self, dir: Direction, count: u64) -> &AtomicU32 {
+        // SAFETY: as in `stamp`, 4 bytes further.
+        unsafe { &*(self.slot(dir, count).add(SLOT_LEN_AT) as *const AtomicU32) }
+    }
+
+    fn slot_pos(&self, dir: Direction, count: u64) -> &AtomicU64 {
+        // SAFETY: as in `stamp`, 8 bytes further, 8-aligned.
+        unsafe { &*(self.slot(dir, count).add(SLOT_POS_AT) as *const AtomicU64) }
+    }
+}
+
+/// A box entry's stamp: its count plus one, as 32 bits. A slot holds zeros until its first
+/// entry and then the stamp of the entry [`BOX_SLOTS`] before the one awaited: never the
+/// awaited one (stamps repeat only every 2^32 entries).
+fn stamp_of(count: u64) -> u32 {
+    count.wrapping_add(1) as u32
 }
 
 /// The writing end of one ring. Its position is its own; it reads the consumer's, and refuses
@@ -315,6 +402,10 @@ pub struct Producer {
     /// consumer's cache line, which the consumer writes at every read, and so does not wait
     /// for that line to come over from the other core.
     head_seen: u64,
+    /// Box entries written.
+    box_next: u64,
+    /// The consumer's `box_head` when last read (checked then): as `head_seen`.
+    box_seen: u64,
 }
 
 impl Producer {
@@ -341,8 +432,29 @@ impl Producer {
         (self.seg.capacity - (self.tail - head)) as usize
     }
 
+    /// Whether a box slot is free. The consumer's `box_head` is read only when the count seen
+    /// last leaves none.
+    fn box_free(&mut self) -> Result<bool, ShmError> {
+        if self.box_next - self.box_seen < BOX_SLOTS {
+            return Ok(true);
+        }
+        let seen = self.seg.word(self.dir, BOX_HEAD).load(Ordering::Acquire);
+        match self.box_next.checked_sub(seen) {
+            Some(unread) if unread <= BOX_SLOTS => {
+                self.box_seen = seen;
+                Ok(unread < BOX_SLOTS)
+            }
+            _ => Err(ShmError::Corrupt(format!(
+                "the reader's box count {seen} is not within {BOX_SLOTS} entries behind the writer's {}",
+                self.box_next
+            ))),
+        }
+    }
+
     /// Copy as much of `bufs` (in order) as fits, publish it, and return how many bytes went.
-    /// The consumer's position is read only when the room seen last is too small for them.
+    /// All of a write of at most [`BOX_BYTES`] goes into the box when a slot is free; others go
+    /// into the ring. The consumer's positions are read only when the room seen last is too
+    /// small.
     pub fn write<'a, I>(&mut self, bufs: I) -> Result<usize, ShmError>
     where
         I: IntoIterator<Item = &'a [u8]>,
@@ -350,6 +462,22 @@ impl Producer {
     {
         let bufs = bufs.into_iter();
         let want: usize = bufs.clone().map(<[u8]>::len).sum();
+        if (1..=BOX_BYTES).contains(&want) && self.box_free()? {
+            let (seg, dir, count) = (&self.seg, self.dir, self.box_next);
+            let slot = seg.slot(dir, count);
+            let mut at = SLOT_BYTES;
+            for buf in bufs {
+                // SAFETY: `at + buf.len() <= SLOT_LEN` (the lengths sum to at most `BOX_BYTES`),
+                // inside this slot, which belongs to the producer until it stores the stamp.
+                unsafe { std::ptr::copy_nonoverlapping(buf.as_ptr(), slot.add(at), buf.len()) };
+                at += buf.len();
+            }
+            seg.slot_len(dir, count).store(want as u32, Ordering::Relaxed);
+            seg.slot_pos(dir, count).store(self.tail, Ordering::Relaxed);
+            seg.stamp(dir, count).store(stamp_of(count), Ordering::Release);
+            self.box_next = count + 1;
+            return Ok(want);
+        }
         let mut room = self.room_after(self.head_seen);
         if room < want {
             self.head_seen = self.head()?;
@@ -393,12 +521,13 @@ impl Producer {
         flag.load(Ordering::Relaxed) != 0 && flag.swap(0, Ordering::AcqRel) != 0
     }
 
-    /// Ask the consumer for a doorbell when it frees room; true if there is room already (the
-    /// request then stands, and a doorbell may come anyway).
-    pub fn request_space(&self) -> Result<bool, ShmError> {
+    /// Ask the consumer for a doorbell when it frees room; true if a write of `want` bytes
+    /// would take some of them already (the request then stands, and a doorbell may come
+    /// anyway).
+    pub fn request_space(&mut self, want: usize) -> Result<bool, ShmError> {
         self.seg.flag(self.dir, WANT_SPACE).store(1, Ordering::Relaxed);
         fence(Ordering::SeqCst);
-        Ok(self.free()? > 0)
+        Ok(self.free()? > 0 || ((1..=BOX_BYTES).contains(&want) && self.box_free()?))
     }
 
     /// Bytes written so far.
@@ -414,15 +543,30 @@ pub struct Consumer {
     seg: Segment,
     dir: Direction,
     head: u64,
+    /// Box entries read whole.
+    box_next: u64,
+    /// Bytes of box entry `box_next` read so far (0: none), of `box_len` (its length when it
+    /// was first read, checked then: a peer that changes it later changes nothing).
+    box_off: usize,
+    box_len: usize,
+}
+
+/// What comes next in a ring's stream ([`Consumer::next`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Next {
+    /// This many ring bytes (maybe none) before the next box entry.
+    Ring(usize),
+    /// The rest of box entry `box_next`: this many bytes (at least one).
+    Boxed(usize),
 }
 
 impl Consumer {
-    /// Bytes waiting to be read.
-    pub fn available(&self) -> Result<usize, ShmError> {
+    /// The writer's ring position, checked against the invariant.
+    fn tail(&self) -> Result<u64, ShmError> {
         let tail = self.seg.word(self.dir, TAIL).load(Ordering::Acquire);
         let cap = self.seg.capacity;
         match tail.checked_sub(self.head) {
-            Some(n) if n <= cap => Ok(n as usize),
+            Some(n) if n <= cap => Ok(tail),
             _ => Err(ShmError::Corrupt(format!(
                 "the writer's position {tail} is not within {cap} bytes ahead of the reader's {}",
                 self.head
@@ -430,9 +574,84 @@ impl Consumer {
         }
     }
 
-    /// Copy up to `out.len()` waiting bytes into `out`, release their room, and return how many.
+    /// What comes next: ring bytes up to the next box entry's position, or that entry.
+    fn next(&self) -> Result<Next, ShmError> {
+        if self.box_off > 0 {
+            return Ok(Next::Boxed(self.box_len - self.box_off));
+        }
+        // `tail` first: an entry not seen below was written after it, so it stands at or
+        // after it, and the ring's bytes up to it all come first.
+        let tail = self.tail()?;
+        let (seg, dir, count) = (&self.seg, self.dir, self.box_next);
+        if seg.stamp(dir, count).load(Ordering::Acquire) != stamp_of(count) {
+            return Ok(Next::Ring((tail - self.head) as usize));
+        }
+        let len = seg.slot_len(dir, count).load(Ordering::Relaxed) as usize;
+        if !(1..=BOX_BYTES).contains(&len) {
+            return Err(ShmError::Corrupt(format!("box entry {count} holds {len} bytes, not 1 to {BOX_BYTES}")));
+        }
+        let at = seg.slot_pos(dir, count).load(Ordering::Relaxed);
+        if at == self.head {
+            return Ok(Next::Boxed(len));
+        }
+        // Written after the ring's bytes up to `at` were published: a `tail` read now has them.
+        let tail = if at > tail { self.tail()? } else { tail };
+        if at < self.head || at > tail {
+            return Err(ShmError::Corrupt(format!(
+                "box entry {count} stands at position {at}, outside the reader's {} to the writer's {tail}",
+                self.head
+            )));
+        }
+        Ok(Next::Ring((at - self.head) as usize))
+    }
+
+    /// Where box entry `box_next`'s bytes not read yet start (`next` says how many).
+    fn box_bytes(&self) -> *const u8 {
+        // SAFETY: `box_off < BOX_BYTES` (`next` checked the entry's length), inside the slot.
+        unsafe { self.seg.slot(self.dir, self.box_next).add(SLOT_BYTES + self.box_off) }
+    }
+
+    /// `used` more bytes of box entry `box_next`, which has `left` not read before them, are
+    /// read: the entry's slot is released when none are left.
+    fn box_read(&mut self, used: usize, left: usize) {
+        if used == 0 {
+            return;
+        }
+        if used < left {
+            if self.box_off == 0 {
+                self.box_len = left;
+            }
+            self.box_off += used;
+            return;
+        }
+        self.box_off = 0;
+        self.box_next += 1;
+        self.seg.word(self.dir, BOX_HEAD).store(self.box_next, Ordering::Release);
+    }
+
+    /// Bytes waiting to be read in one run: ring bytes up to the next box entry, or the rest
+    /// of that entry. Zero only when nothing waits.
+    pub fn available(&self) -> Result<usize, ShmError> {
+        Ok(match self.next()? {
+            Next::Ring(n) | Next::Boxed(n) => n,
+        })
+    }
+
+    /// Copy up to `out.len()` waiting bytes into `out`, release their room, and return how many
+    /// (a read stops at a box entry's edge: read again for more).
     pub fn read(&mut self, out: &mut [u8]) -> Result<usize, ShmError> {
-        let n = self.available()?.min(out.len());
+        let n = match self.next()? {
+            Next::Ring(n) => n,
+            Next::Boxed(left) => {
+                let n = left.min(out.len());
+                // SAFETY: `n <= left` bytes of the entry, inside its slot (`box_bytes`); the
+                // slot is the consumer's until it publishes `box_head`.
+                unsafe { std::ptr::copy_nonoverlapping(self.box_bytes(), out.as_mut_ptr(), n) };
+                self.box_read(n, left);
+                return Ok(n);
+            }
+        };
+        let n = n.min(out.len());
         let cap = self.seg.capacity as usize;
         let data = self.seg.data(self.dir);
         let mut done = 0;
@@ -452,8 +671,8 @@ impl Consumer {
         Ok(n)
     }
 
-    /// Let `f` use the waiting bytes where they lie, up to the ring's end (bytes that wrap
-    /// around come in a later call), then release as many as it says it used (at most what it
+    /// Let `f` use the waiting bytes where they lie, up to the ring's end or a box entry's
+    /// edge (bytes past either come in a later call), then release as many as it says it used (at most what it
     /// saw); its other result is returned. For a reader that consumes a frame straight out of
     /// the ring instead of copying it out first ([`Consumer::read`]).
     ///
@@ -462,7 +681,17 @@ impl Consumer {
     /// them; like [`Consumer::read`]'s, they are then plain bytes that `f` must check as it
     /// would any from the peer (no length or index may come from them unchecked).
     pub fn read_in_place<R>(&mut self, f: impl FnOnce(&[u8]) -> (usize, R)) -> Result<R, ShmError> {
-        let waiting = self.available()?;
+        let waiting = match self.next()? {
+            Next::Ring(n) => n,
+            Next::Boxed(left) => {
+                // SAFETY: `left` bytes of the entry, inside its slot (`box_bytes`), which is the
+                // consumer's until it publishes `box_head`, after `f` has returned.
+                let bytes = unsafe { std::slice::from_raw_parts(self.box_bytes(), left) };
+                let (used, out) = f(bytes);
+                self.box_read(used.min(left), left);
+                return Ok(out);
+            }
+        };
         let cap = self.seg.capacity as usize;
         let at = (self.head & (cap as u64 - 1)) as usize;
         let run = waiting.min(cap - at);
@@ -652,7 +881,7 @@ mod tests {
     }
 
     #[test]
-    fn bytes_come_out_in_order_across_the_wrap_and_a_full_ring_takes_nothing() {
+    fn bytes_come_out_in_order_across_the_wrap_and_a_full_ring_and_box_take_nothing() {
         let (mut p, mut c, seg) = pair(4096);
         assert_eq!(seg.header().unwrap().nonce, 7);
         let mut out = vec![0u8; 10_000];
@@ -664,14 +893,128 @@ mod tests {
             sent.extend_from_slice(&chunk[..n]);
             let m = c.read(&mut out[..(round as usize * 131) % 5000]).unwrap();
             got.extend_from_slice(&out[..m]);
-            assert!(p.free().unwrap() + c.available().unwrap() == 4096);
+            assert_eq!(p.free().unwrap() + (p.position() - c.position()) as usize, 4096);
         }
         let m = c.read(&mut out).unwrap();
         got.extend_from_slice(&out[..m]);
         assert_eq!(got, sent);
         assert_eq!(p.write([&[1u8; 5000][..]]).unwrap(), 4096);
+        // The ring is full; small writes still fit in the box, until it is full too.
+        for i in 0..BOX_SLOTS as u8 {
+            assert_eq!(p.write([&[i + 2][..]]).unwrap(), 1, "box entry {i}");
+        }
         assert_eq!(p.write([&[1u8; 1][..]]).unwrap(), 0, "full");
-        assert!(!p.request_space().unwrap());
+        assert!(!p.request_space(1).unwrap());
+        assert!(!p.request_space(BOX_BYTES + 1).unwrap());
+        let mut all = Vec::new();
+        while let Ok(n @ 1..) = c.read(&mut out) {
+            all.extend_from_slice(&out[..n]);
+        }
+        let mut want = vec![1u8; 4096];
+        want.extend(2..BOX_SLOTS as u8 + 2);
+        assert_eq!(all, want, "the ring's bytes, then the box's, as written");
+    }
+
+    #[test]
+    fn box_entries_and_ring_bytes_come_out_in_the_order_written_and_a_box_entry_may_be_read_in_parts() {
+        let (mut p, mut c, _seg) = pair(4096);
+        let mut sent = Vec::new();
+        // Alternate small (box) and larger (ring) writes, some several to a slot's worth.
+        for (i, len) in [3usize, 100, 48, 49, 1, 1, 2000, 47, 600, 12].into_iter().enumerate() {
+            let chunk: Vec<u8> = (0..len).map(|j| (i * 50 + j) as u8).collect();
+            assert_eq!(p.write([&chunk[..len / 3], &chunk[len / 3..]]).unwrap(), len);
+            sent.extend_from_slice(&chunk);
+        }
+        let mut got = Vec::new();
+        // Runs stop at an entry's edge; read some in place, some by copying, a few bytes at a time.
+        let mut k = 0usize;
+        loop {
+            k += 1;
+            let before = got.len();
+            if k.is_multiple_of(2) {
+                c.read_in_place(|b| {
+                    let n = b.len().min(k % 7 + 1);
+                    got.extend_from_slice(&b[..n]);
+                    (n, ())
+                })
+                .unwrap();
+            } else {
+                let mut out = [0u8; 5];
+                let n = c.read(&mut out).unwrap();
+                got.extend_from_slice(&out[..n]);
+            }
+            if got.len() == before {
+                break;
+            }
+        }
+        assert_eq!(got, sent);
+        assert_eq!(c.available().unwrap(), 0);
+    }
+
+    #[test]
+    fn two_threads_exchange_through_both_rings_at_once_and_every_byte_arrives() {
+        let seg = Segment::in_heap(4096).unwrap();
+        seg.init(&SegmentHeader { nonce: 1, capacity: 4096, creator: Rank(0), acceptor: Rank(1), group: GroupId(0) });
+        let side = |out: Direction, inc: Direction, salt: u8| {
+            let (mut p, mut c) = (seg.producer(out), seg.consumer(inc));
+            std::thread::spawn(move || {
+                // Writes of 1 to 300 bytes (some in the box, some in the ring) of a stream
+                // this side's salt marks; the other side's stream is checked byte by byte.
+                let stream = |n: usize, salt: u8| (n as u32).wrapping_mul(2_654_435_761).to_le_bytes()[1] ^ salt;
+                let total = 400_000usize;
+                let (mut wrote, mut read, mut k) = (0usize, 0usize, 0usize);
+                let mut out = [0u8; 512];
+                while wrote < total || read < total {
+                    if wrote < total {
+                        k += 1;
+                        let len = (k * 37 % 300 + 1).min(total - wrote);
+                        let chunk: Vec<u8> = (wrote..wrote + len).map(|n| stream(n, salt)).collect();
+                        wrote += p.write([&chunk[..]]).unwrap();
+                    }
+                    let n = c.read(&mut out).unwrap();
+                    for (i, &b) in out[..n].iter().enumerate() {
+                        assert_eq!(b, stream(read + i, salt ^ 0xff), "byte {} from the other side", read + i);
+                    }
+                    read += n;
+                }
+            })
+        };
+        let a = side(Direction::FromCreator, Direction::FromAcceptor, 0x00);
+        let b = side(Direction::FromAcceptor, Direction::FromCreator, 0xff);
+        a.join().unwrap();
+        b.join().unwrap();
+    }
+
+    #[test]
+    fn a_box_entry_a_peer_corrupted_is_an_error_that_says_so() {
+        let dir = Direction::FromCreator;
+        let corrupt = |len: u32, at: u64| {
+            let (mut p, mut c, seg) = pair(4096);
+            p.write([&[7u8; 100][..]]).unwrap();
+            // Entry 0 in slot 0: stamp and length in word 0, the position in word 1.
+            seg.scribble_box(dir, 1, at);
+            seg.scribble_box(dir, 0, u64::from(stamp_of(0)) | (u64::from(len) << 32));
+            c.read(&mut [0u8; 8]).map(|_| ()).unwrap_err().to_string()
+        };
+        assert_eq!(corrupt(0, 0), "shared ring corrupt: box entry 0 holds 0 bytes, not 1 to 48");
+        assert_eq!(corrupt(49, 0), "shared ring corrupt: box entry 0 holds 49 bytes, not 1 to 48");
+        assert_eq!(
+            corrupt(4, 101),
+            "shared ring corrupt: box entry 0 stands at position 101, outside the reader's 0 to the writer's 100"
+        );
+        // An entry at the reader's position is taken, bounds and all: 4 bytes of the slot.
+        let (mut p, mut c, seg) = pair(4096);
+        seg.scribble_box(dir, 0, u64::from(stamp_of(0)) | (4 << 32));
+        assert_eq!(c.read(&mut [0u8; 64]).unwrap(), 4);
+        // A reader that says it read more entries than were written.
+        seg.scribble(dir, 4, 99);
+        for _ in 0..BOX_SLOTS {
+            p.write([&[1u8][..]]).unwrap();
+        }
+        assert_eq!(
+            p.write([&[1u8][..]]).unwrap_err().to_string(),
+            "shared ring corrupt: the reader's box count 99 is not within 16 entries behind the writer's 16"
+        );
     }
 
     #[test]
@@ -687,10 +1030,21 @@ mod tests {
         let mut out = [0u8; 8];
         assert_eq!(c.read(&mut out).unwrap(), 3);
         assert_eq!(p.write([&[0u8; 4096][..]]).unwrap(), 4096);
-        assert!(!p.request_space().unwrap(), "full: the producer may wait");
+        assert!(!p.request_space(4096).unwrap(), "full: the producer may wait");
         c.read(&mut out).unwrap();
         assert!(c.take_space_request(), "the waiter asked: ring");
         assert!(!c.take_space_request(), "once");
+        // A free box slot is room for a small write only.
+        assert_eq!(p.write([&[0u8; 100][..]]).unwrap(), 8, "what the ring has room for");
+        assert!(p.request_space(1).unwrap(), "a small write fits in the box");
+        assert!(!p.request_space(BOX_BYTES + 1).unwrap(), "a larger one waits for the ring");
+        for _ in 0..BOX_SLOTS {
+            p.write([&[0u8; 1][..]]).unwrap();
+        }
+        assert!(!p.request_space(1).unwrap(), "the box is full too");
+        while c.read(&mut out).unwrap() > 0 {}
+        assert!(c.take_space_request(), "the waiter asked: ring");
+        assert!(p.request_space(1).unwrap());
     }
 
     #[test]
@@ -751,7 +1105,10 @@ mod tests {
     proptest::proptest! {
         #[test]
         fn any_interleaving_of_writes_and_reads_delivers_the_bytes_in_order(
-            ops in proptest::collection::vec((0usize..9000, 0usize..9000, proptest::bool::ANY), 1..40),
+            ops in proptest::collection::vec(
+                (proptest::prop_oneof![0usize..64, 0usize..9000], 0usize..9000, proptest::bool::ANY),
+                1..40,
+            ),
         ) {
             let (mut p, mut c, _seg) = pair(4096);
             let (mut sent, mut got) = (Vec::new(), Vec::new());

@@ -1,5 +1,5 @@
 //! The shared-memory segment as a hostile peer sees it: between our writes and reads the peer
-//! may set any ring position or flag to any value. Nothing panics or touches memory outside the
+//! may set any ring position, flag or word of a box slot to any value. Nothing panics or touches memory outside the
 //! segment; a position that breaks the ring's invariant is an error; and as long as the peer
 //! touches nothing, the bytes come out as they went in. The offer, its answer and the segment
 //! header decode totally, and what decodes encodes back to the same bytes.
@@ -17,11 +17,20 @@ enum Op {
     /// Read in place, using up to this many of the bytes seen.
     ReadInPlace(u16),
     RequestData,
-    RequestSpace,
-    /// The peer scribbles: field 0 tail, 1 head, 2 want_data, 3 want_space, of either ring.
+    /// For a write of this many bytes.
+    RequestSpace(u16),
+    /// The peer scribbles: field 0 tail, 1 head, 2 want_data, 3 want_space, 4 box_head, of
+    /// either ring.
     Scribble {
         ring: bool,
         field: u8,
+        value: u64,
+    },
+    /// The peer scribbles on a word of either ring's box (16 slots of 8 words: the stamp and
+    /// length, the position, then the bytes).
+    ScribbleBox {
+        ring: bool,
+        word: u16,
         value: u64,
     },
 }
@@ -94,15 +103,20 @@ fuzz_target!(|bytes: &[u8]| {
             Op::RequestData => {
                 let _ = c.request_data();
             }
-            Op::RequestSpace => {
-                let _ = p.request_space();
+            Op::RequestSpace(want) => {
+                let _ = p.request_space(want as usize);
             }
             Op::Scribble { ring, field, value } => {
                 let dir = if ring { Direction::FromAcceptor } else { Direction::FromCreator };
                 // The peer's view: its own producer/consumer over the same memory, moved by
                 // whole values through the only fields the layout has.
-                seg.scribble(dir, field % 4, value);
-                scribbled |= !ring && field % 4 < 2;
+                seg.scribble(dir, field % 5, value);
+                scribbled |= !ring && matches!(field % 5, 0 | 1 | 4);
+            }
+            Op::ScribbleBox { ring, word, value } => {
+                let dir = if ring { Direction::FromAcceptor } else { Direction::FromCreator };
+                seg.scribble_box(dir, word, value);
+                scribbled |= !ring;
             }
         }
         if !scribbled {

@@ -208,8 +208,20 @@ async fn a_held_ring_hands_over_a_frame_that_wraps_and_ends_on_a_lie_or_a_corrup
     let (reader, seg, _theirs) = shm_reader(Rank(3)).await;
     let mut peer = seg.producer(Direction::FromAcceptor);
     let long = Duration::from_secs(5);
-    // Small frames until the next one would cross the ring's end (4,096 bytes).
-    let frame = data_frame(1, &[0; 4]);
+    // A scalar's frames come through the box, a line each: more of them than it has slots.
+    for seq in 1..=40 {
+        peer.write([&data_frame(seq, &[seq as u8; 4])[..]]).unwrap();
+        let mut seen = None;
+        let (waited, _) = wait(&reader, long, |h, payload| {
+            seen = Some((h.seq, payload.to_vec()));
+            true
+        });
+        assert!(matches!(waited, Waited::Took));
+        assert_eq!(seen, Some((SeqNo(seq), vec![seq as u8; 4])));
+    }
+    // Frames too long for the box until the next one would cross the ring's end (4,096 bytes).
+    let frame = data_frame(1, &[0; 12]);
+    assert!(frame.len() > cohort_core::shm::BOX_BYTES);
     assert_ne!(4096 % frame.len(), 0, "a frame must straddle the end");
     let mut written = 0;
     while written + frame.len() <= 4096 {
@@ -218,7 +230,7 @@ async fn a_held_ring_hands_over_a_frame_that_wraps_and_ends_on_a_lie_or_a_corrup
         let (waited, _) = wait(&reader, long, |_, _| true);
         assert!(matches!(waited, Waited::Took));
     }
-    peer.write([&data_frame(2, &[0; 4])[..]]).unwrap();
+    peer.write([&data_frame(2, &[0; 12])[..]]).unwrap();
     let (waited, early) = wait(&reader, long, |_, _| panic!("a wrapping frame is not offered"));
     assert!(matches!(waited, Waited::Other) && early, "left to the usual readers");
 

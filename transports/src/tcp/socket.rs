@@ -794,7 +794,7 @@ impl ShmWrite {
                 return Poll::Ready(Ok(n));
             }
             *path.space.lock().unwrap_or_else(|p| p.into_inner()) = Some(cx.waker().clone());
-            match path.wire.producer().request_space() {
+            match path.wire.producer().request_space(bufs.iter().map(|b| b.len()).sum()) {
                 Ok(true) => continue,
                 Ok(false) => return Poll::Pending,
                 Err(e) => return Poll::Ready(Err(io::Error::new(io::ErrorKind::InvalidData, e.to_string()))),
