@@ -256,3 +256,162 @@ async fn a_held_ring_hands_over_a_frame_that_wraps_and_ends_on_a_lie_or_a_corrup
         _ => panic!("a corrupt ring must end the connection"),
     }
 }
+
+/// Spin until `done()`, yielding now and then: the test threads may share a core.
+fn spin_until(mut done: impl FnMut() -> bool) {
+    let mut k = 0u32;
+    while !done() {
+        k = k.wrapping_add(1);
+        if k.is_multiple_of(64) {
+            std::thread::yield_now();
+        } else {
+            std::hint::spin_loop();
+        }
+    }
+}
+
+/// A reader's request for a doorbell and a writer's message, raced once per message: either
+/// the reader's look after its request sees the message, or the writer takes the request and
+/// rings. Run with this process's heavy barrier where the kernel has one (the writer and the
+/// reader then skip their fences), else with fences; a writer that skipped its fence with no
+/// heavy barrier behind the request loses some of these races.
+#[test]
+fn a_doorbell_request_raced_with_a_message_is_never_lost() {
+    use std::sync::atomic::{AtomicU64, Ordering};
+    const N: u64 = 50_000;
+    let seg = Segment::in_heap(4096).unwrap();
+    seg.init(&SegmentHeader { nonce: 1, capacity: 4096, creator: Rank(0), acceptor: Rank(1), group: GroupId(0) });
+    let seg = match super::shm::heavy_barrier() {
+        Some(heavy) => seg.with_heavy_barrier(heavy),
+        None => seg,
+    };
+    let (mut p, mut c) = (seg.producer(Direction::FromCreator), seg.consumer(Direction::FromCreator));
+    // `rung`: doorbells the writer rang; `taken`: messages whose request the writer has looked
+    // for; `read`: messages the reader has.
+    let (rung, taken, read) = (Arc::new(AtomicU64::new(0)), Arc::new(AtomicU64::new(0)), Arc::new(AtomicU64::new(0)));
+    let (rung2, taken2, read2) = (rung.clone(), taken.clone(), read.clone());
+    let reader = std::thread::spawn(move || {
+        let mut lost = 0u32;
+        let mut buf = [0u8; 8];
+        for i in 1..=N {
+            // A varying head start for the writer's message.
+            for _ in 0..(i * 104_729 % 17) {
+                std::hint::spin_loop();
+            }
+            // As a sleeper does: request, look, sleep until a doorbell, look again.
+            loop {
+                let before = rung2.load(Ordering::Acquire);
+                if c.request_data().unwrap() {
+                    c.cancel_data_request();
+                    break;
+                }
+                // Not seen: the writer, once it has written message `i`, must have taken the
+                // request and rung.
+                spin_until(|| rung2.load(Ordering::Acquire) != before || taken2.load(Ordering::Acquire) >= i);
+                if rung2.load(Ordering::Acquire) == before {
+                    lost += 1;
+                    c.cancel_data_request();
+                    break;
+                }
+            }
+            spin_until(|| c.read(&mut buf).unwrap() > 0);
+            assert_eq!(u64::from_le_bytes(buf), i, "messages in order");
+            read2.store(i, Ordering::Release);
+            if lost >= 3 {
+                break;
+            }
+        }
+        lost
+    });
+    for i in 1..=N {
+        spin_until(|| read.load(Ordering::Acquire) >= i - 1 || reader.is_finished());
+        // And for the reader's request.
+        for _ in 0..(i * 7919 % 13) {
+            std::hint::spin_loop();
+        }
+        assert_eq!(p.write([&i.to_le_bytes()[..]]).unwrap(), 8);
+        if p.take_data_request() {
+            rung.fetch_add(1, Ordering::Release);
+        }
+        taken.store(i, Ordering::Release);
+    }
+    let lost = reader.join().unwrap();
+    assert_eq!(lost, 0, "{lost} doorbell requests were neither seen nor rung for");
+}
+
+/// The same race the other way round: a writer that has filled the ring asks for a doorbell
+/// when room frees up, raced once per round with one read.
+#[test]
+fn a_space_request_raced_with_a_read_is_never_lost() {
+    use std::sync::atomic::{AtomicU64, Ordering};
+    const ROUNDS: u64 = 10_000;
+    let seg = Segment::in_heap(4096).unwrap();
+    seg.init(&SegmentHeader { nonce: 1, capacity: 4096, creator: Rank(0), acceptor: Rank(1), group: GroupId(0) });
+    let seg = match super::shm::heavy_barrier() {
+        Some(heavy) => seg.with_heavy_barrier(heavy),
+        None => seg,
+    };
+    let (mut p, mut c) = (seg.producer(Direction::FromCreator), seg.consumer(Direction::FromCreator));
+    let byte = |n: u64| (n % 251) as u8;
+    // `filled`: rounds in which the writer has filled the ring; `rung`: doorbells for room;
+    // `looked`: rounds in which the reader has read and looked for a request.
+    let (filled, rung, looked) =
+        (Arc::new(AtomicU64::new(0)), Arc::new(AtomicU64::new(0)), Arc::new(AtomicU64::new(0)));
+    let (filled2, rung2, looked2) = (filled.clone(), rung.clone(), looked.clone());
+    let reader = std::thread::spawn(move || {
+        let mut got = 0u64;
+        let mut buf = [0u8; 100];
+        for r in 1..=ROUNDS {
+            spin_until(|| filled2.load(Ordering::Acquire) >= r);
+            // A varying head start for the writer's request.
+            for _ in 0..(r * 104_729 % 41) {
+                std::hint::spin_loop();
+            }
+            let n = c.read(&mut buf).unwrap();
+            assert_eq!(n, 100, "a full ring holds more than 100 bytes");
+            for (j, &b) in buf.iter().enumerate() {
+                assert_eq!(b, byte(got + j as u64), "byte {}", got + j as u64);
+            }
+            got += 100;
+            if c.take_space_request() {
+                rung2.fetch_add(1, Ordering::Release);
+            }
+            looked2.store(r, Ordering::Release);
+        }
+    });
+    let (mut sent, mut lost) = (0u64, 0u32);
+    let mut write = |p: &mut cohort_core::shm::Producer| {
+        let bytes: Vec<u8> = (sent..sent + 100).map(byte).collect();
+        let n = p.write([&bytes[..]]).unwrap();
+        sent += n as u64;
+        n
+    };
+    for r in 1..=ROUNDS {
+        while write(&mut p) > 0 {}
+        filled.store(r, Ordering::Release);
+        // And for the reader's read.
+        for _ in 0..(r * 7919 % 37) {
+            std::hint::spin_loop();
+        }
+        // As a waiting writer does: request, look, sleep until a doorbell, look again.
+        loop {
+            let before = rung.load(Ordering::Acquire);
+            if p.request_space(100).unwrap() {
+                break;
+            }
+            // Not seen: the reader, once it has read this round, must have taken the request
+            // and rung.
+            spin_until(|| rung.load(Ordering::Acquire) != before || looked.load(Ordering::Acquire) >= r);
+            if rung.load(Ordering::Acquire) == before {
+                lost += 1;
+                break;
+            }
+        }
+        if lost >= 3 {
+            break;
+        }
+    }
+    assert_eq!(lost, 0, "{lost} space requests were neither seen nor rung for");
+    filled.store(ROUNDS, Ordering::Release);
+    reader.join().unwrap();
+}
