@@ -47,15 +47,6 @@
 //! either it sees the new bytes or the other side sees the flag and rings: a wake-up is never
 //! lost. The transport rings over the pair's TCP connection, which it keeps open for that and
 //! as the liveness channel (a dead peer's socket reads EOF).
-//!
-//! The fence after every write and every read is on the path of every small frame: it waits
-//! until this core owns the lines it wrote, a transfer from the other core. Going to sleep is
-//! rare, so the cost can move there: a segment given a [`HeavyBarrier`] (the transport's
-//! `membarrier(2)`, which runs a full barrier on every core running a registered process)
-//! declares so in its control lines, calls it after the flag's fence, and lets the peer's
-//! write and read skip theirs (a compiler fence stays). A side skips its fence only when its
-//! own process has a heavy barrier too (so the peer's reaches it) and the peer has declared
-//! one; otherwise both keep the plain fences.
 
 use std::ptr::NonNull;
 use std::sync::Arc;
@@ -84,16 +75,7 @@ const TAIL: usize = 0;
 const HEAD: usize = 64;
 const BOX_HEAD: usize = 72;
 const WANT_DATA: usize = 128;
-/// The consumer's declaration: its doorbell requests are followed by a heavy barrier.
-const HEAVY_DATA: usize = 136;
 const WANT_SPACE: usize = 192;
-/// The producer's declaration, as `HEAVY_DATA`.
-const HEAVY_SPACE: usize = 200;
-
-/// A full memory barrier on every core that runs a thread of a process that asked for them
-/// (Linux's `membarrier(MEMBARRIER_CMD_GLOBAL_EXPEDITED)`): the heavy half of the doorbells'
-/// asymmetric barrier (see the [module docs](self)).
-pub type HeavyBarrier = Arc<dyn Fn() + Send + Sync>;
 
 /// A box slot: the stamp (u32) at 0, the length (u32) at 4, the ring position (u64) at 8,
 /// the bytes from [`SLOT_BYTES`].
@@ -212,7 +194,6 @@ pub enum Direction {
 pub struct Segment {
     base: NonNull<u8>,
     capacity: u64,
-    heavy: Option<HeavyBarrier>,
     /// Keeps the memory alive (the transport's mapping, or a heap allocation).
     _owner: Arc<dyn Send + Sync>,
 }
@@ -226,11 +207,7 @@ unsafe impl Sync for Segment {}
 
 impl std::fmt::Debug for Segment {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("Segment")
-            .field("base", &self.base)
-            .field("capacity", &self.capacity)
-            .field("heavy", &self.heavy.is_some())
-            .finish()
+        f.debug_struct("Segment").field("base", &self.base).field("capacity", &self.capacity).finish()
     }
 }
 
@@ -250,7 +227,7 @@ impl Segment {
         let needed = segment_len(capacity)?;
         let align = 1usize << (base as usize).trailing_zeros().min(6);
         match NonNull::new(base) {
-            Some(base) if len == needed && align == 64 => Ok(Segment { base, capacity, heavy: None, _owner: owner }),
+            Some(base) if len == needed && align == 64 => Ok(Segment { base, capacity, _owner: owner }),
             _ => Err(ShmError::BadMapping { len, align, capacity, needed }),
         }
     }
@@ -272,14 +249,6 @@ impl Segment {
         unsafe { Segment::from_raw(base, len, capacity, blocks) }
     }
 
-    /// Use `heavy` as this process's heavy barrier (see the [module docs](self)): only where
-    /// this process is registered for the barriers the peer's `heavy` runs. Set it before
-    /// taking the producer and the consumer, which declare it.
-    pub fn with_heavy_barrier(mut self, heavy: HeavyBarrier) -> Segment {
-        self.heavy = Some(heavy);
-        self
-    }
-
     /// Each ring's capacity in bytes.
     pub fn capacity(&self) -> u64 {
         self.capacity
@@ -295,7 +264,7 @@ impl Segment {
             for slot in 0..BOX_SLOTS {
                 self.stamp(dir, slot).store(0, Ordering::Relaxed);
             }
-            for field in [WANT_DATA, WANT_SPACE, HEAVY_DATA, HEAVY_SPACE] {
+            for field in [WANT_DATA, WANT_SPACE] {
                 self.flag(dir, field).store(0, Ordering::Relaxed);
             }
         }
@@ -320,9 +289,6 @@ impl Segment {
         // Nothing written yet counts as read: the first write that needs more room than that
         // reads (and checks) the consumer's position.
         let box_next = self.word(dir, BOX_HEAD).load(Ordering::Acquire);
-        if self.heavy.is_some() {
-            self.flag(dir, HEAVY_SPACE).store(1, Ordering::Release);
-        }
         Producer {
             seg: self.clone(),
             dir,
@@ -337,15 +303,11 @@ impl Segment {
     pub fn consumer(&self, dir: Direction) -> Consumer {
         let head = self.word(dir, HEAD).load(Ordering::Acquire);
         let box_next = self.word(dir, BOX_HEAD).load(Ordering::Acquire);
-        if self.heavy.is_some() {
-            self.flag(dir, HEAVY_DATA).store(1, Ordering::Release);
-        }
         Consumer { seg: self.clone(), dir, head, box_next, box_off: 0, box_len: 0 }
     }
 
     /// Store `value` in control field `field` (0 tail, 1 head, 2 want_data, 3 want_space, 4
-    /// box_head, 5 and 6 the consumer's and the producer's heavy-barrier declarations; others
-    /// are ignored) of ring `dir`, as a misbehaving peer could: what tests and
+    /// box_head; others are ignored) of ring `dir`, as a misbehaving peer could: what tests and
     /// the fuzzer use to play one.
     #[doc(hidden)]
     pub fn scribble(&self, dir: Direction, field: u8, value: u64) {
@@ -355,8 +317,6 @@ impl Segment {
             2 => self.flag(dir, WANT_DATA).store(value as u32, Ordering::Release),
             3 => self.flag(dir, WANT_SPACE).store(value as u32, Ordering::Release),
             4 => self.word(dir, BOX_HEAD).store(value, Ordering::Release),
-            5 => self.flag(dir, HEAVY_DATA).store(value as u32, Ordering::Release),
-            6 => self.flag(dir, HEAVY_SPACE).store(value as u32, Ordering::Release),
             _ => {}
         }
     }
@@ -415,26 +375,6 @@ impl Segment {
     fn slot_len(&self, dir: Direction, count: u64) -> &AtomicU32 {
         // SAFETY: as in `stamp`, 4 bytes further.
         unsafe { &*(self.slot(dir, count).add(SLOT_LEN_AT) as *const AtomicU32) }
-    }
-
-    /// Order this side's publishing store before its look at the peer's doorbell request:
-    /// a compiler fence where the peer has declared (at `declared`) that its requests are
-    /// followed by a heavy barrier that reaches this process, else a full fence.
-    fn before_request_look(&self, dir: Direction, declared: usize) {
-        if self.heavy.is_some() && self.flag(dir, declared).load(Ordering::Relaxed) != 0 {
-            std::sync::atomic::compiler_fence(Ordering::SeqCst);
-        } else {
-            fence(Ordering::SeqCst);
-        }
-    }
-
-    /// After a doorbell request's store: order it before this side's look at the ring for
-    /// every peer (a full fence, then the heavy barrier where this side declared one).
-    fn after_request(&self) {
-        fence(Ordering::SeqCst);
-        if let Some(heavy) = &self.heavy {
-            heavy();
-        }
     }
 
     fn slot_pos(&self, dir: Direction, count: u64) -> &AtomicU64 {
@@ -576,7 +516,7 @@ impl Producer {
     /// After a write: whether the consumer asked for a doorbell (the request is taken, so
     /// exactly one writer rings for it).
     pub fn take_data_request(&self) -> bool {
-        self.seg.before_request_look(self.dir, HEAVY_DATA);
+        fence(Ordering::SeqCst);
         let flag = self.seg.flag(self.dir, WANT_DATA);
         flag.load(Ordering::Relaxed) != 0 && flag.swap(0, Ordering::AcqRel) != 0
     }
@@ -586,7 +526,7 @@ impl Producer {
     /// anyway).
     pub fn request_space(&mut self, want: usize) -> Result<bool, ShmError> {
         self.seg.flag(self.dir, WANT_SPACE).store(1, Ordering::Relaxed);
-        self.seg.after_request();
+        fence(Ordering::SeqCst);
         Ok(self.free()? > 0 || ((1..=BOX_BYTES).contains(&want) && self.box_free()?))
     }
 
@@ -772,7 +712,7 @@ impl Consumer {
     /// request then stands, and a doorbell may come anyway).
     pub fn request_data(&self) -> Result<bool, ShmError> {
         self.seg.flag(self.dir, WANT_DATA).store(1, Ordering::Relaxed);
-        self.seg.after_request();
+        fence(Ordering::SeqCst);
         Ok(self.available()? > 0)
     }
 
@@ -784,7 +724,7 @@ impl Consumer {
     /// After a read: whether the producer asked for a doorbell when room frees up (the request
     /// is taken, so exactly one reader rings for it).
     pub fn take_space_request(&self) -> bool {
-        self.seg.before_request_look(self.dir, HEAVY_SPACE);
+        fence(Ordering::SeqCst);
         let flag = self.seg.flag(self.dir, WANT_SPACE);
         flag.load(Ordering::Relaxed) != 0 && flag.swap(0, Ordering::AcqRel) != 0
     }
@@ -1105,32 +1045,6 @@ mod tests {
         while c.read(&mut out).unwrap() > 0 {}
         assert!(c.take_space_request(), "the waiter asked: ring");
         assert!(p.request_space(1).unwrap());
-    }
-
-    #[test]
-    fn a_side_with_a_heavy_barrier_declares_it_and_runs_it_after_each_doorbell_request() {
-        let calls = Arc::new(AtomicU64::new(0));
-        let counted = calls.clone();
-        let heavy: HeavyBarrier = Arc::new(move || {
-            counted.fetch_add(1, Ordering::Relaxed);
-        });
-        let dir = Direction::FromCreator;
-        let plain = Segment::in_heap(4096).unwrap();
-        plain.init(&SegmentHeader { nonce: 1, capacity: 4096, creator: Rank(0), acceptor: Rank(1), group: GroupId(0) });
-        let seg = plain.clone().with_heavy_barrier(heavy);
-        let declared = |field| plain.flag(dir, field).load(Ordering::Relaxed);
-        let (mut p, c) = (seg.producer(dir), seg.consumer(dir));
-        assert_eq!((declared(HEAVY_DATA), declared(HEAVY_SPACE)), (1, 1), "both sides declared");
-        assert!(!c.request_data().unwrap());
-        assert_eq!(calls.load(Ordering::Relaxed), 1, "after the consumer's request");
-        p.write([&[0u8; 4096][..]]).unwrap();
-        assert!(p.take_data_request(), "the request is seen without the writer's fence");
-        assert!(!p.request_space(4096).unwrap());
-        assert_eq!(calls.load(Ordering::Relaxed), 2, "after the producer's request");
-        // A side without one declares nothing, and its peer's fast paths keep their fences.
-        plain.init(&SegmentHeader { nonce: 1, capacity: 4096, creator: Rank(0), acceptor: Rank(1), group: GroupId(0) });
-        let (_p, _c) = (plain.producer(dir), plain.consumer(dir));
-        assert_eq!((declared(HEAVY_DATA), declared(HEAVY_SPACE)), (0, 0));
     }
 
     #[test]

@@ -22,11 +22,9 @@ use std::io;
 use std::os::fd::AsRawFd;
 use std::os::unix::fs::OpenOptionsExt;
 use std::path::PathBuf;
-use std::sync::{Arc, OnceLock};
+use std::sync::Arc;
 
-use cohort_core::shm::{
-    ANSWER_LEN, Answer, Direction, HeavyBarrier, OFFER_LEN, Offer, Segment, SegmentHeader, segment_len,
-};
+use cohort_core::shm::{ANSWER_LEN, Answer, Direction, OFFER_LEN, Offer, Segment, SegmentHeader, segment_len};
 use cohort_core::work::{GroupId, Rank};
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
 
@@ -108,46 +106,8 @@ fn map(file: &File, len: usize, capacity: u64) -> io::Result<Segment> {
     let mapping = Arc::new(Mapping { ptr: ptr.cast(), len });
     // SAFETY: the mapping is `len` bytes, page-aligned, readable and writable, and lives as long
     // as the owner; only `Segment`s (ours and the peer's) write it.
-    let segment = unsafe { Segment::from_raw(mapping.ptr, len, capacity, mapping.clone()) }
-        .map_err(|e| io::Error::new(io::ErrorKind::InvalidData, e.to_string()))?;
-    Ok(match heavy_barrier() {
-        Some(heavy) => segment.with_heavy_barrier(heavy),
-        None => segment,
-    })
-}
-
-/// This process's heavy barrier for the rings' doorbells (see [`cohort_core::shm`]), once it
-/// has registered for them: `membarrier(2)`'s global expedited command. `None` where the
-/// kernel lacks it or registering failed: the rings then keep a full fence after every write
-/// and read.
-pub(crate) fn heavy_barrier() -> Option<HeavyBarrier> {
-    const QUERY: libc::c_long = 0;
-    const GLOBAL_EXPEDITED: libc::c_long = 1 << 1;
-    const REGISTER_GLOBAL_EXPEDITED: libc::c_long = 1 << 2;
-    // SAFETY (all three calls): `membarrier` takes integer arguments only and touches no memory
-    // of ours.
-    let call = |cmd: libc::c_long| unsafe { libc::syscall(libc::SYS_membarrier, cmd, 0, 0) };
-    static READY: OnceLock<Option<HeavyBarrier>> = OnceLock::new();
-    READY
-        .get_or_init(|| {
-            let both = GLOBAL_EXPEDITED | REGISTER_GLOBAL_EXPEDITED;
-            let supported = call(QUERY);
-            if supported < 0 || supported & both != both || call(REGISTER_GLOBAL_EXPEDITED) != 0 {
-                return None;
-            }
-            let heavy: HeavyBarrier = Arc::new(move || {
-                if call(GLOBAL_EXPEDITED) != 0 {
-                    // The kernel said it has the command and took the registration: a failure
-                    // here has no cause we know of. The peer skips its fence, so a doorbell may
-                    // be missed; the watchdog still ends a work that waits for it too long.
-                    static WARNED: std::sync::Once = std::sync::Once::new();
-                    let e = io::Error::last_os_error();
-                    WARNED.call_once(|| tracing::warn!("membarrier failed: {e}; a shared-memory doorbell may be late"));
-                }
-            });
-            Some(heavy)
-        })
-        .clone()
+    unsafe { Segment::from_raw(mapping.ptr, len, capacity, mapping.clone()) }
+        .map_err(|e| io::Error::new(io::ErrorKind::InvalidData, e.to_string()))
 }
 
 /// A segment this rank made and has not yet offered: the file is removed when this goes.

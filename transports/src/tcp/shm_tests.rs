@@ -270,22 +270,22 @@ fn spin_until(mut done: impl FnMut() -> bool) {
     }
 }
 
+/// Both ends of a ring of 4,096 bytes.
+fn ring_ends() -> (cohort_core::shm::Producer, cohort_core::shm::Consumer) {
+    let seg = Segment::in_heap(4096).unwrap();
+    seg.init(&SegmentHeader { nonce: 1, capacity: 4096, creator: Rank(0), acceptor: Rank(1), group: GroupId(0) });
+    (seg.producer(Direction::FromCreator), seg.consumer(Direction::FromCreator))
+}
+
 /// A reader's request for a doorbell and a writer's message, raced once per message: either
 /// the reader's look after its request sees the message, or the writer takes the request and
-/// rings. Run with this process's heavy barrier where the kernel has one (the writer and the
-/// reader then skip their fences), else with fences; a writer that skipped its fence with no
-/// heavy barrier behind the request loses some of these races.
+/// rings. A writer without the fence between its write and its look at the request loses some
+/// of these races.
 #[test]
 fn a_doorbell_request_raced_with_a_message_is_never_lost() {
     use std::sync::atomic::{AtomicU64, Ordering};
     const N: u64 = 50_000;
-    let seg = Segment::in_heap(4096).unwrap();
-    seg.init(&SegmentHeader { nonce: 1, capacity: 4096, creator: Rank(0), acceptor: Rank(1), group: GroupId(0) });
-    let seg = match super::shm::heavy_barrier() {
-        Some(heavy) => seg.with_heavy_barrier(heavy),
-        None => seg,
-    };
-    let (mut p, mut c) = (seg.producer(Direction::FromCreator), seg.consumer(Direction::FromCreator));
+    let (mut p, mut c) = ring_ends();
     // `rung`: doorbells the writer rang; `taken`: messages whose request the writer has looked
     // for; `read`: messages the reader has.
     let (rung, taken, read) = (Arc::new(AtomicU64::new(0)), Arc::new(AtomicU64::new(0)), Arc::new(AtomicU64::new(0)));
@@ -345,13 +345,7 @@ fn a_doorbell_request_raced_with_a_message_is_never_lost() {
 fn a_space_request_raced_with_a_read_is_never_lost() {
     use std::sync::atomic::{AtomicU64, Ordering};
     const ROUNDS: u64 = 10_000;
-    let seg = Segment::in_heap(4096).unwrap();
-    seg.init(&SegmentHeader { nonce: 1, capacity: 4096, creator: Rank(0), acceptor: Rank(1), group: GroupId(0) });
-    let seg = match super::shm::heavy_barrier() {
-        Some(heavy) => seg.with_heavy_barrier(heavy),
-        None => seg,
-    };
-    let (mut p, mut c) = (seg.producer(Direction::FromCreator), seg.consumer(Direction::FromCreator));
+    let (mut p, mut c) = ring_ends();
     let byte = |n: u64| (n % 251) as u8;
     // `filled`: rounds in which the writer has filled the ring; `rung`: doorbells for room;
     // `looked`: rounds in which the reader has read and looked for a request.
