@@ -672,9 +672,9 @@ impl Consumer {
     }
 
     /// Let `f` use the waiting bytes where they lie, up to the ring's end or a box entry's
-    /// edge (bytes past either come in a later call), then release as many as it says it used (at most what it
-    /// saw); its other result is returned. For a reader that consumes a frame straight out of
-    /// the ring instead of copying it out first ([`Consumer::read`]).
+    /// edge (bytes past either come in a later call), then release as many as it says it used
+    /// (at most what it saw); its other result is returned. For a reader that consumes a frame
+    /// straight out of the ring instead of copying it out first ([`Consumer::read`]).
     ///
     /// The bytes are the peer's to have written, not to change: a well-behaved producer never
     /// writes between the reader's position and its own. A hostile one may, while `f` reads
