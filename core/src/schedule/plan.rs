@@ -288,37 +288,44 @@ impl Plan {
         self.largest_recv
     }
 
-    /// The peer and step of a plan that is one exchange of the whole data buffer with one
-    /// peer: premultiply, send the buffer, combine the peer's buffer into it, finalize, in that
-    /// order and nothing else (a two-rank allreduce by recursive doubling). A driver may run
-    /// such a plan without an [`Executor`](super::Executor): the executor's result is the
-    /// buffer after `premultiply`, `combine(buffer, peer's)` and `finalize`.
-    pub fn single_exchange(&self) -> Option<(Rank, u32)> {
+    /// The exchanges of a plan made of nothing but whole-buffer exchanges, one peer at a time,
+    /// as `(peer, step)` in order: premultiply, then for each exchange send the buffer to the
+    /// peer and combine the peer's buffer into it, then finalize, in that order and nothing
+    /// else (an allreduce by recursive doubling in a world of a power of two: one exchange
+    /// with two ranks, two with four). A driver may run such a plan without an
+    /// [`Executor`](super::Executor): the executor's result is the buffer after `premultiply`,
+    /// `combine(buffer, peer's)` for each exchange in turn, and `finalize`. `None` for any
+    /// other plan.
+    pub fn exchanges(&self) -> Option<Vec<(Rank, u32)>> {
         if !matches!(self.op, ScheduleOp::Allreduce { .. }) || self.output_len != 0 || self.data_len == 0 {
             return None;
         }
         let all = 0..self.data_len;
         let whole = |buf: &BufId, range: &Range<usize>| *buf == BufId::Data && *range == all;
-        let (mut sent, mut received) = (None, None);
+        let mut done = Vec::new();
+        // The exchange whose send went and whose receive has not come yet.
+        let mut sent = None;
         let mut finalized = false;
         for action in &self.actions {
             match action {
-                Action::Premultiply { buf, range } if whole(buf, range) && sent.is_none() => {}
-                Action::Send { step, to, buf, range } if whole(buf, range) && sent.is_none() => {
+                Action::Premultiply { buf, range } if whole(buf, range) && done.is_empty() && sent.is_none() => {}
+                Action::Send { step, to, buf, range } if whole(buf, range) && sent.is_none() && !finalized => {
                     sent = Some((*to, *step));
                 }
                 Action::Recv { step, from, buf, range, mode: RecvMode::Reduce }
-                    if whole(buf, range) && received.is_none() && sent == Some((*from, *step)) =>
+                    if whole(buf, range) && sent == Some((*from, *step)) =>
                 {
-                    received = sent;
+                    done.extend(sent.take());
                 }
-                Action::Finalize { buf, range } if whole(buf, range) && received.is_some() && !finalized => {
+                Action::Finalize { buf, range }
+                    if whole(buf, range) && sent.is_none() && !done.is_empty() && !finalized =>
+                {
                     finalized = true;
                 }
                 _ => return None,
             }
         }
-        received.filter(|_| finalized)
+        finalized.then_some(done)
     }
 
     /// Receive actions as `((step, from), action index)`, ordered by step then sender.
@@ -600,26 +607,35 @@ mod tests {
     }
 
     #[test]
-    fn only_a_two_rank_whole_buffer_allreduce_is_a_single_exchange() {
+    fn only_whole_buffer_allreduces_of_a_power_of_two_of_ranks_are_exchanges() {
         let small = ScheduleOp::Allreduce { count: 8 };
-        assert_eq!(plan(small.clone(), 0, 2).single_exchange(), Some((Rank(1), 1)));
-        assert_eq!(plan(small.clone(), 1, 2).single_exchange(), Some((Rank(0), 1)));
-        // Split into halves (halving-doubling), more than one peer, or not an allreduce.
-        assert_eq!(plan(ScheduleOp::Allreduce { count: 1 << 20 }, 0, 2).single_exchange(), None);
-        assert_eq!(plan(small.clone(), 0, 4).single_exchange(), None);
-        assert_eq!(plan(small.clone(), 0, 3).single_exchange(), None);
-        assert_eq!(plan(small, 0, 1).single_exchange(), None);
-        assert_eq!(plan(ScheduleOp::Allreduce { count: 0 }, 0, 2).single_exchange(), None);
-        assert_eq!(plan(ScheduleOp::Broadcast { count: 8, root: Rank(0) }, 1, 2).single_exchange(), None);
-        assert_eq!(plan(ScheduleOp::Barrier, 0, 2).single_exchange(), None);
+        let ex = |r: u32, n: u32| plan(small.clone(), r, n).exchanges();
+        assert_eq!(ex(0, 2), Some(vec![(Rank(1), 1)]));
+        assert_eq!(ex(1, 2), Some(vec![(Rank(0), 1)]));
+        // Recursive doubling: the partner differs in one more bit at each level.
+        assert_eq!(ex(0, 4), Some(vec![(Rank(1), 1), (Rank(2), 2)]));
+        assert_eq!(ex(3, 4), Some(vec![(Rank(2), 1), (Rank(1), 2)]));
+        assert_eq!(ex(5, 8), Some(vec![(Rank(4), 1), (Rank(7), 2), (Rank(1), 3)]));
+        // A fold-in step (a world of no power of two), split halves (halving-doubling), one
+        // rank, no data, or not an allreduce.
+        assert_eq!(ex(0, 3), None);
+        assert_eq!(ex(1, 6), None);
+        assert_eq!(ex(0, 1), None);
+        assert_eq!(plan(ScheduleOp::Allreduce { count: 1 << 20 }, 0, 2).exchanges(), None);
+        assert_eq!(plan(ScheduleOp::Allreduce { count: 1 << 16 }, 0, 4).exchanges(), None);
+        assert_eq!(plan(ScheduleOp::Allreduce { count: 0 }, 0, 2).exchanges(), None);
+        assert_eq!(plan(ScheduleOp::Broadcast { count: 8, root: Rank(0) }, 1, 2).exchanges(), None);
+        assert_eq!(plan(ScheduleOp::Barrier, 0, 2).exchanges(), None);
     }
 
     proptest::proptest! {
-        /// What a driver computes for a single exchange without an executor (premultiply,
-        /// combine the peer's buffer, finalize) is what the executors compute, bit for bit.
+        /// What a driver computes for a plan of exchanges without an executor (premultiply,
+        /// combine each peer's buffer in turn, finalize) is what the executors compute, bit for
+        /// bit, at every rank.
         #[test]
-        fn a_single_exchange_run_by_hand_matches_the_executors(
+        fn exchanges_run_by_hand_match_the_executors(
             count in 1usize..600,
+            world in proptest::sample::select(vec![2u32, 4, 8]),
             op in proptest::sample::select(vec![
                 ReduceOp::Sum, ReduceOp::Avg, ReduceOp::Max, ReduceOp::Min, ReduceOp::Product,
                 ReduceOp::PremulSum(0.37),
@@ -629,7 +645,7 @@ mod tests {
             use crate::schedule::harness::Harness;
             use crate::tensor::HostBuffer;
             let red = Reduction::new(op, DType::F32).unwrap();
-            let inputs: Vec<Vec<f32>> = (0..2)
+            let inputs: Vec<Vec<f32>> = (0..world as usize)
                 .map(|r| (0..count).map(|i| ((i * 7 + r * 13 + seed as usize) % 23) as f32 * 0.3 - 2.0).collect())
                 .collect();
             let bufs = inputs.iter().map(|v| HostBuffer::from_bytes(bytemuck::cast_slice(v))).collect();
@@ -637,15 +653,24 @@ mod tests {
             let mut h = Harness::for_op(&sop, 4, PlanOptions::default(), Some(red), bufs, seed).unwrap();
             proptest::prop_assert_eq!(h.run(), crate::schedule::harness::RunOutcome::Completed);
             let results = h.into_buffers();
-            for me in 0..2usize {
-                let p = Plan::new(&sop, Rank(me as u32), 2, 4, PlanOptions::default()).unwrap();
-                proptest::prop_assert_eq!(p.single_exchange(), Some((Rank(1 - me as u32), 1)));
-                let mut mine: Vec<u8> = bytemuck::cast_slice(&inputs[me]).to_vec();
-                let mut theirs: Vec<u8> = bytemuck::cast_slice(&inputs[1 - me]).to_vec();
-                red.premultiply(&mut mine).unwrap();
-                red.premultiply(&mut theirs).unwrap();
-                red.combine(&mut mine, &theirs).unwrap();
-                red.finalize(&mut mine, 2).unwrap();
+            let chains: Vec<Vec<(Rank, u32)>> = (0..world)
+                .map(|me| Plan::new(&sop, Rank(me), world, 4, PlanOptions::default()).unwrap().exchanges().unwrap())
+                .collect();
+            // Every rank's buffer after each level, from every rank's buffer before it.
+            let mut bufs: Vec<Vec<u8>> = inputs.iter().map(|v| bytemuck::cast_slice(v).to_vec()).collect();
+            for b in &mut bufs {
+                red.premultiply(b).unwrap();
+            }
+            for level in 0..chains[0].len() {
+                let before = bufs.clone();
+                for (me, chain) in chains.iter().enumerate() {
+                    let (peer, step) = chain[level];
+                    proptest::prop_assert_eq!(chains[peer.0 as usize][level], (Rank(me as u32), step));
+                    red.combine(&mut bufs[me], &before[peer.0 as usize]).unwrap();
+                }
+            }
+            for (me, mine) in bufs.iter_mut().enumerate() {
+                red.finalize(mine, world as usize).unwrap();
                 proptest::prop_assert_eq!(&mine[..], results[me].0.as_bytes());
             }
         }

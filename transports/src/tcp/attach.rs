@@ -105,8 +105,8 @@ fn attach_fast(
     let path = shm.map(|link| socket::ShmPath::new(link, fast.std()));
     let reader = Arc::new(socket::FastReader::new(fast.clone(), asm, tally.clone(), shared, path.clone()));
     socket::FastReader::join(&mut inner.readers.write().unwrap_or_else(|p| p.into_inner()), reader.clone());
-    if inner.world_size == 2 && shm.is_some() {
-        inner.quick.attach(&reader);
+    if shm.is_some() {
+        inner.quick.attach(peer, &reader);
     }
     let err_tx = spawn_error_relay(inner, tally);
     let writer = match path {

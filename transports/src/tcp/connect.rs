@@ -195,7 +195,7 @@ impl ProcessGroup {
                 polling,
                 progress,
                 looks: std::sync::atomic::AtomicU32::new(0),
-                quick: Default::default(),
+                quick: super::quick::Gate::new(world_size),
             }
         });
         for (peer, stream, rx, index, shm) in attached {

@@ -122,7 +122,7 @@ pub(crate) struct Inner {
     /// Polling threads' looks at the readers, counted to look at shared-memory sockets now and
     /// then only (see [`socket::readable`]).
     looks: std::sync::atomic::AtomicU32,
-    /// Two-rank allreduces run in their submit call (see [`quick`]).
+    /// Small allreduces over shared memory run in their submit call (see [`quick`]).
     quick: quick::Gate,
 }
 
@@ -659,9 +659,9 @@ impl ProcessGroup {
     /// Reduce `tensors` across ranks with `op`; every rank gets the result. Several tensors on
     /// one rank are reduced together (as Gloo does) and every one receives the result.
     pub fn allreduce(&self, tensors: Vec<Tensor>, op: ReduceOp) -> Result<Work, SubmitError> {
-        match quick::reader_for(&self.inner, &tensors) {
-            Some(reader) => quick::allreduce(&self.inner, reader, tensors, op),
-            None => self.collective(allreduce_collective(&tensors), Request::allreduce(tensors, op)),
+        match quick::open(&self.inner, &tensors) {
+            true => quick::allreduce(&self.inner, tensors, op),
+            false => self.collective(allreduce_collective(&tensors), Request::allreduce(tensors, op)),
         }
     }
 

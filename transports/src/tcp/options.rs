@@ -112,8 +112,9 @@ pub struct TcpOptions {
     /// least 256 KiB): smaller rings stay in cache (see `shm_ring_bytes`). The segment's
     /// memory is reserved when the pair connects (twice this).
     pub shm_ring_bytes: u64,
-    /// Over shared memory, a two-rank allreduce of up to 4 KiB with nothing else in flight
-    /// runs in its submit call: the submitting thread sends its frame, spins briefly for the
+    /// Over shared memory, an allreduce of up to 4 KiB in a world of a power of two ranks (2,
+    /// 4, 8…) with nothing else in flight runs in its submit call: the submitting thread sends
+    /// its frame to each peer of its recursive-doubling chain in turn, waits briefly for the
     /// peer's and reduces it where it lies, under the same bookkeeping as any work; anything
     /// unusual hands it to the usual path (see `quick.rs`). `COHORT_SHM_QUICK`, default 1 (0
     /// turns it off).

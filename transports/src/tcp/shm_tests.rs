@@ -165,7 +165,7 @@ async fn shm_reader(peer: Rank) -> (Arc<FastReader>, Segment, std::net::TcpStrea
 fn wait(reader: &FastReader, within: Duration, take: impl FnMut(&FrameHeader, &[u8]) -> bool) -> (Waited, bool) {
     let mut held = reader.hold().expect("nobody else reads the ring");
     let start = std::time::Instant::now();
-    let waited = held.wait_for(within, take);
+    let waited = held.wait_for(within, false, take);
     (waited, start.elapsed() < within)
 }
 

@@ -565,6 +565,7 @@ impl Held<'_> {
     pub(crate) fn wait_for(
         &mut self,
         wait: std::time::Duration,
+        yields: bool,
         mut take: impl FnMut(&FrameHeader, &[u8]) -> bool,
     ) -> Waited {
         let Held { asm, ring, path } = self;
@@ -598,15 +599,20 @@ impl Held<'_> {
                 Ok(None) => {}
                 Err(e) => return Waited::End(ring_failed(asm, &e)),
             }
-            // The clock costs more than a look at the ring: read it every few looks.
+            // The clock costs more than a look at the ring: read it every few looks (every
+            // look where each yields, which costs more than the clock).
             looks = looks.wrapping_add(1);
-            if looks.is_multiple_of(64) {
+            if yields || looks.is_multiple_of(64) {
                 let now = std::time::Instant::now();
                 if now >= *deadline.get_or_insert(now + wait) {
                     return Waited::Late;
                 }
             }
-            std::hint::spin_loop();
+            if yields {
+                std::thread::yield_now();
+            } else {
+                std::hint::spin_loop();
+            }
         }
     }
 }
