@@ -162,6 +162,7 @@ impl ProcessGroup {
         let inner = Arc::new_cyclic(|weak: &std::sync::Weak<Inner>| {
             let progress: crate::work::ProgressFn = Arc::new(super::Poller::new(weak.clone(), &opts));
             let polling = Mutex::new(super::Polling::new(opts.busy_poll));
+            let quick = super::quick::Gate::new(world_size, opts.oversubscribed);
             let weak = weak.clone();
             let on_written: super::state::OnWritten = Arc::new(move |to, ids, outcome| {
                 if let Some(inner) = weak.upgrade() {
@@ -195,7 +196,7 @@ impl ProcessGroup {
                 polling,
                 progress,
                 looks: std::sync::atomic::AtomicU32::new(0),
-                quick: super::quick::Gate::new(world_size),
+                quick,
             }
         });
         for (peer, stream, rx, index, shm) in attached {

@@ -84,6 +84,11 @@ use crate::work::Work;
 /// yields its core, and sleeps in the end) serves that better.
 pub(crate) const QUICK_WAIT: Duration = Duration::from_micros(20);
 
+/// How long it waits where each empty look yields the core (on a host with more ranks than
+/// cores): a peer in step may be a few context switches away, and a wait that yields costs
+/// the host little.
+pub(crate) const QUICK_WAIT_YIELDING: Duration = Duration::from_micros(100);
+
 /// The largest tensor this path takes, in bytes: a small collective's, whose cost is the
 /// bookkeeping around it (larger ones are dominated by the copy and the reduction).
 pub(crate) const QUICK_MAX_BYTES: usize = 4096;
@@ -95,9 +100,12 @@ const MAX_SKIP_SHIFT: u32 = 8;
 
 /// When a group tries this path, and what came of it.
 pub(crate) struct Gate {
-    /// How long to spin for the peer's frame, in nanoseconds: [`QUICK_WAIT`], or longer in
-    /// tests that need the ranks to meet on a crowded machine.
+    /// How long to wait for a peer's frame, in nanoseconds: [`QUICK_WAIT`] or
+    /// [`QUICK_WAIT_YIELDING`], or longer in tests that need the ranks to meet on a crowded
+    /// machine.
     wait_ns: AtomicU64,
+    /// Whether each empty look yields the core ([`TcpOptions::oversubscribed`](super::TcpOptions::oversubscribed)).
+    yields: bool,
     /// Collectives still to skip.
     skip: AtomicU32,
     /// Hand-offs in a row.
@@ -122,10 +130,12 @@ pub(crate) struct Gate {
 }
 
 impl Gate {
-    /// The gate of a group of `world_size` ranks.
-    pub(super) fn new(world_size: u32) -> Self {
+    /// The gate of a group of `world_size` ranks; `yields`: each empty look yields the core.
+    pub(super) fn new(world_size: u32, yields: bool) -> Self {
+        let wait = if yields { QUICK_WAIT_YIELDING } else { QUICK_WAIT };
         Gate {
-            wait_ns: AtomicU64::new(QUICK_WAIT.as_nanos() as u64),
+            wait_ns: AtomicU64::new(wait.as_nanos() as u64),
+            yields,
             skip: AtomicU32::new(0),
             late: AtomicU32::new(0),
             ended: AtomicU64::new(0),
@@ -195,14 +205,19 @@ impl Gate {
     }
 
     /// A work was handed off: because the peer was `late` (which makes the next collectives
-    /// skip the path), or because something else lay in the ring (a heartbeat, once a second;
-    /// a frame that wraps), which says nothing about the next one.
+    /// skip the path, where the wait spins), or because something else lay in the ring (a
+    /// heartbeat, once a second; a frame that wraps), which says nothing about the next one.
     /// `at`: the exchange of its chain it waited for (0: the first).
+    ///
+    /// A wait that yields at each look does not close the path: it cost the host little, and
+    /// on a crowded host a peer is late now and then only because it did not have a core (the
+    /// usual path would have waited for it too). Closing the path there made the 4 B
+    /// allreduce of 4 ranks on 2 cores slower (`docs/performance.md`).
     fn handed_off(&self, late: bool, at: usize) {
         if at > 0 {
             self.handed_off_later.fetch_add(1, Ordering::Relaxed);
         }
-        if late {
+        if late && !self.yields {
             let before = self.late.load(Ordering::Relaxed);
             self.late.store(before.saturating_add(1), Ordering::Relaxed);
             self.skip.store(SKIP_AFTER_HAND_OFF << before.min(MAX_SKIP_SHIFT), Ordering::Relaxed);
@@ -233,7 +248,7 @@ pub(super) fn allreduce(inner: &Arc<Inner>, tensors: Vec<Tensor>, op: ReduceOp) 
     let gate = &inner.quick;
     // Where a rank shares its core, a look that finds nothing yields it (the peer may be the
     // thread that needs it); elsewhere the thread spins.
-    let yields = inner.opts.oversubscribed;
+    let yields = gate.yields;
     let mut acc = Deferred::default();
     let mut took = false;
     // The group's state first, then the peer's reading side if nobody else reads it: a
@@ -479,8 +494,8 @@ mod tests {
     }
 
     #[test]
-    fn a_late_peer_closes_the_path_for_longer_each_time_in_a_row_and_anything_else_does_not() {
-        let gate = super::Gate::new(2);
+    fn a_late_peer_closes_a_spinning_path_for_longer_each_time_in_a_row_and_nothing_else_does() {
+        let gate = super::Gate::new(2, false);
         let skipped = |gate: &super::Gate| (0..10_000).take_while(|_| gate.skip()).count();
         assert_eq!(skipped(&gate), 0, "open from the start");
         assert_eq!(gate.last_ended(), None);
@@ -497,6 +512,18 @@ mod tests {
         assert_eq!(skipped(&gate), 16, "a work that ended in its call starts the count again");
         assert_eq!(gate.ended.load(Ordering::Relaxed), 1);
         assert_eq!(gate.handed_off.load(Ordering::Relaxed), 12);
+        assert_eq!(gate.handed_off_later.load(Ordering::Relaxed), 0);
+        gate.handed_off(false, 1);
+        assert_eq!(gate.handed_off_later.load(Ordering::Relaxed), 1, "one after its chain's first exchange");
+
+        // Where the wait yields the core, lateness closes nothing, and it waits longer.
+        let yielding = super::Gate::new(2, true);
+        for _ in 0..3 {
+            yielding.handed_off(true, 0);
+            assert_eq!(skipped(&yielding), 0);
+        }
+        assert_eq!(yielding.wait(), super::QUICK_WAIT_YIELDING);
+        assert_eq!(gate.wait(), super::QUICK_WAIT);
     }
 
     /// Two ranks with the path on that wait long for each other's frame: on a machine busy with
