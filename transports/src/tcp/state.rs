@@ -540,12 +540,20 @@ impl DriverState {
             self.count_sent(id, peer, Sent::Queued);
         }
         let n = tensors[0].nbytes();
-        if at > 0 {
-            tensors[0].bytes_mut().copy_from_slice(&self.quick_replay[..n]);
+        // This rank's input, then one part for each exchange before this one.
+        let kept = if at == 0 { Some(&[][..]) } else { self.quick_replay.get(..(at + 1) * n) };
+        let Some(kept) = kept else {
+            let message = format!("kept {} bytes to replay {at} exchanges of {n} bytes", self.quick_replay.len());
+            self.group.handle_completion(now, id, Completion::Failed { rank: None, message });
+            self.drain(now, effects);
+            return work;
+        };
+        if let Some(input) = kept.get(..n) {
+            tensors[0].bytes_mut().copy_from_slice(input);
         }
         let world = self.group.config().world_size;
         let mut request = Request::allreduce(tensors, op);
-        let (chain, replay) = (self.quick_chain, &self.quick_replay);
+        let chain = self.quick_chain;
         let started = CollectiveRun::start(&mut request, self.me, world, seq, &mut self.plans).and_then(|mut run| {
             for j in 0..=at {
                 // The executor's send is the frame that went already.
@@ -556,8 +564,8 @@ impl DriverState {
                         return Err(format!("the run's send {j} is {other:?}, not the frame to rank {to} that went"));
                     }
                 }
-                if j < at {
-                    run.handle_recv(to, step, &replay[(j + 1) * n..(j + 2) * n])?;
+                if let Some(part) = kept.get((j + 1) * n..(j + 2) * n) {
+                    run.handle_recv(to, step, part)?;
                 }
             }
             Ok(run)
