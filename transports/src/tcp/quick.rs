@@ -289,11 +289,10 @@ pub(super) fn allreduce(inner: &Arc<Inner>, tensors: Vec<Tensor>, op: ReduceOp) 
                 Waited::Took if st.quick_more(&exchange) => {
                     drop(held);
                     exchange = match st.quick_next(exchange) {
-                        QuickStart::Sent(exchange) => exchange,
-                        QuickStart::Unsent(exchange, gone) => {
+                        Ok(exchange) => exchange,
+                        Err((exchange, gone)) => {
                             return (Ok(QuickEnd::Work(st.quick_unsent(super::now(), exchange, gone, fx))), None);
                         }
-                        QuickStart::Busy(_) => unreachable!("a chain's next exchange is never busy"),
                     };
                     match gate.reader(exchange.peer()).and_then(FastReader::hold) {
                         Some(next) => held = next,

@@ -132,7 +132,7 @@ pub(crate) struct DriverState {
     /// every work.
     last_exchange: Option<(usize, usize, Option<Chain>)>,
     /// What a chain of exchanges keeps to hand its work off after its first exchange (this
-    /// rank's input and the peers' parts so far; see [`Exchange::take`]), between works.
+    /// rank's input and the peers' parts so far; see [`DriverState::quick_take`]), between works.
     quick_replay: Vec<u8>,
     /// The exchanges of the allreduce running in its submit call now, if one is.
     quick_chain: Chain,
@@ -419,7 +419,11 @@ impl DriverState {
         let hook = hook();
         let exchange =
             Exchange { inline, hook, fingerprint, peer, step, at: 0, tag, gid: self.gid, tensors, reduction, op };
-        Ok(QuickStart::after(exchange, sent))
+        Ok(match sent {
+            Sent::Written => QuickStart::Sent(exchange),
+            Sent::Queued => QuickStart::Unsent(exchange, false),
+            Sent::Gone => QuickStart::Unsent(exchange, true),
+        })
     }
 
     /// Offer the frame at the exchange's peer's ring's read position: if it is the peer's part
@@ -443,8 +447,10 @@ impl DriverState {
 
     /// The exchange's peer's part was taken ([`DriverState::quick_take`]) and another exchange
     /// follows ([`DriverState::quick_more`]): send the combined buffer to the next peer, as
-    /// the executor would.
-    pub(crate) fn quick_next(&mut self, mut exchange: Exchange) -> QuickStart {
+    /// the executor would. `Err` if the frame did not go out at once (its link gone, if
+    /// `true`): end the exchange with [`DriverState::quick_unsent`].
+    #[allow(clippy::result_large_err)] // moved once an exchange, as `QuickStart` is: no box
+    pub(crate) fn quick_next(&mut self, mut exchange: Exchange) -> Result<Exchange, (Exchange, bool)> {
         exchange.at += 1;
         let (peer, step) = self.quick_chain.at(exchange.at as usize);
         exchange.peer = peer;
@@ -464,7 +470,11 @@ impl DriverState {
                 lane.map_or(Sent::Gone, |l| l.send_slice(header, tensor.bytes(), written, mode, |b| pool.bytes(b)))
             }
         };
-        QuickStart::after(exchange, sent)
+        match sent {
+            Sent::Written => Ok(exchange),
+            Sent::Queued => Err((exchange, false)),
+            Sent::Gone => Err((exchange, true)),
+        }
     }
 
     /// The exchange's frame did not go out at once ([`QuickStart::Unsent`]): it waits for the
@@ -1175,16 +1185,6 @@ pub(crate) enum QuickStart {
     /// Its frame did not go out at once (its link gone, if `true`): end it with
     /// [`DriverState::quick_unsent`].
     Unsent(Exchange, bool),
-}
-
-impl QuickStart {
-    fn after(exchange: Exchange, sent: Sent) -> QuickStart {
-        match sent {
-            Sent::Written => QuickStart::Sent(exchange),
-            Sent::Queued => QuickStart::Unsent(exchange, false),
-            Sent::Gone => QuickStart::Unsent(exchange, true),
-        }
-    }
 }
 
 /// How [`DriverState::quick_finish`] ended a collective.
