@@ -659,9 +659,10 @@ impl ProcessGroup {
     /// Reduce `tensors` across ranks with `op`; every rank gets the result. Several tensors on
     /// one rank are reduced together (as Gloo does) and every one receives the result.
     pub fn allreduce(&self, tensors: Vec<Tensor>, op: ReduceOp) -> Result<Work, SubmitError> {
-        match quick::open(&self.inner, &tensors) {
-            true => quick::allreduce(&self.inner, tensors, op),
-            false => self.collective(allreduce_collective(&tensors), Request::allreduce(tensors, op)),
+        if quick::open(&self.inner, &tensors) {
+            quick::allreduce(&self.inner, tensors, op)
+        } else {
+            self.collective(allreduce_collective(&tensors), Request::allreduce(tensors, op))
         }
     }
 
