@@ -180,6 +180,29 @@ def iperf():
             s.wait()
 
 
+def host_speed():
+    """Each CPU this script may use, in turn: the best of three timings of a fixed Python loop
+    with the script kept to that CPU (ms). A virtual machine's CPU can run the same code up to
+    half again slower for hundreds of milliseconds at a time while the host serves others, and
+    a short collective's time moves with it (docs/performance.md, "The host's two speeds")."""
+    cpus = sorted(os.sched_getaffinity(0))
+    times = {}
+    try:
+        for cpu in cpus:
+            os.sched_setaffinity(0, {cpu})
+            best = float("inf")
+            for _ in range(3):
+                t0 = time.perf_counter()
+                x = 0
+                for i in range(30_000):
+                    x += i ^ (x >> 3)
+                best = min(best, time.perf_counter() - t0)
+            times[str(cpu)] = best * 1e3
+    finally:
+        os.sched_setaffinity(0, cpus)
+    return times
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--reps", type=int, default=5)
@@ -224,7 +247,9 @@ def main():
     mpis = list(MPI_BTLS) if mpi_exe else []
     names = list(COHORT_COLUMNS) + mpis + (["TCP exchange"] if exchange_exe else []) + list(others)
     raw = {name: [] for name in names}
+    raw["host"] = []
     for rep in range(a.reps):
+        host = {"before": host_speed()}
         mine, theirs, floor = {c: {} for c in COHORT_COLUMNS}, {m: {} for m in mpis}, {}
         for row in COHORT_ROWS:
             for c, shm in COHORT_COLUMNS.items():
@@ -246,6 +271,8 @@ def main():
             raw[m].append(theirs[m])
         if exchange_exe:
             raw["TCP exchange"].append(floor)
+        host["after"] = host_speed()
+        raw["host"].append(host)
         print(f"rep {rep + 1}/{a.reps}: cohort and OpenMPI done", file=sys.stderr)
         for name, fn in others.items():
             try:
@@ -292,6 +319,19 @@ def main():
     if bws:
         print(f"\nloopback TCP, iperf3 one stream, same run: {statistics.median(bws):.2f} GB/s (median); "
               f"two streams at once in opposite directions: {statistics.median(duplex):.2f} GB/s per direction")
+    # The host's speed around each repetition's cohort and OpenMPI runs: the slowest CPU's loop
+    # time, before and after, against the fastest seen in the whole run.
+    slowest = [max(max(h["before"].values()), max(h["after"].values())) for h in raw["host"]]
+    if slowest:
+        base = min(min(min(h["before"].values()), min(h["after"].values())) for h in raw["host"])
+        row = "allreduce 4 B"
+        per_rep = []
+        for k, slow in enumerate(slowest):
+            mine, theirs = raw.get("cohort shm", [{}] * a.reps)[k], raw.get("OpenMPI vader", [{}] * a.reps)[k]
+            r = f"{mine[row][0] / theirs[row][0]:.2f}" if row in mine and row in theirs and theirs[row][0] > 0 else "-"
+            per_rep.append(f"{slow / base:.2f} ({r})")
+        print("\nhost: each repetition's slowest CPU on a fixed loop, against the run's fastest "
+              "(and that repetition's cohort shm ÷ OpenMPI vader at 4 B): " + ", ".join(per_rep))
     for s in skipped:
         print(f"skipped: {s}")
 
