@@ -16,7 +16,10 @@ which sends and receives at once).
 An anchor that is not installed is skipped and named. Medians over the repetitions are printed as
 a Markdown table, with the median of the per-repetition time ratios (the machine's speed drifts
 between repetitions; a ratio of two runs taken close together drifts less); every raw figure
-goes to --raw as JSON.
+goes to --raw as JSON. Before and after each repetition's cohort and OpenMPI rows, a fixed Python
+loop is timed on each CPU in turn: the last line gives each repetition's slowest CPU against the
+fastest seen in the run, beside its shared-memory 4 B ratio, since a repetition run while the
+host slows a CPU is not comparable with one run while it does not.
 
     scripts/side_by_side.py --reps 5 --ranks 2 --cohort target/release/cohort \\
         --mpi-src ../shared/bench/mpi_allreduce.c \\
@@ -182,8 +185,8 @@ def iperf():
 
 def host_speed():
     """Each CPU this script may use, in turn: the best of three timings of a fixed Python loop
-    with the script kept to that CPU (ms). A virtual machine's CPU can run the same code up to
-    half again slower for hundreds of milliseconds at a time while the host serves others, and
+    with the script kept to that CPU (ms). A virtual machine's CPU can take 1.4-1.7 times as long
+    over the same code for hundreds of milliseconds at a time while the host serves others, and
     a short collective's time moves with it (docs/performance.md, "The host's two speeds")."""
     cpus = sorted(os.sched_getaffinity(0))
     times = {}
