@@ -30,7 +30,7 @@ use cohort_core::schedule::{PlanOptions, ScheduleOp};
 use cohort_core::work::OpType;
 
 use super::collective::{CollectiveRun, Request};
-use super::link::{Corks, Inbound, LaneRx, LaneTx, Lanes, Outbound, SendMode, Sent};
+use super::link::{BufferPool, Corks, Inbound, LaneRx, LaneTx, Lanes, Outbound, SendMode, Sent};
 use super::tunables::SEND_WINDOW;
 use crate::work::{HookCall, Work, WorkCompleter};
 
@@ -400,11 +400,8 @@ impl DriverState {
             if !linked {
                 return Sent::Gone;
             }
-            let mut header = FrameHeader::data(gid, seq, step, me, tensor.nbytes() as u64);
-            header.tag = tag;
-            let written = || Some(super::link::Written { id, hook: on_written.0.clone() });
-            let lane = writers.get(&peer).and_then(|l| l.lane_for(&header, tensor.nbytes()));
-            lane.map_or(Sent::Gone, |l| l.send_slice(header, tensor.bytes(), written, mode, |b| pool.bytes(b)))
+            let frame = ExchangeFrame { gid, from: me, to: peer, step, id, seq, tag };
+            frame.send(tensor, writers, pool, on_written, mode)
         };
         let (inline, sent) = match group.submit_inline(now, checked, send)? {
             Inline::Running(inline, sent) => (inline, sent),
@@ -459,15 +456,9 @@ impl DriverState {
             false => Sent::Gone,
             true => {
                 let mode = self.mode();
-                let DriverState { writers, pool, on_written, .. } = &*self;
-                let tensor = &exchange.tensors[0];
-                let mut header =
-                    FrameHeader::data(self.gid, exchange.inline.seq(), step, self.me, tensor.nbytes() as u64);
-                header.tag = exchange.tag;
-                let id = exchange.inline.id();
-                let written = || Some(super::link::Written { id, hook: on_written.0.clone() });
-                let lane = writers.get(&peer).and_then(|l| l.lane_for(&header, tensor.nbytes()));
-                lane.map_or(Sent::Gone, |l| l.send_slice(header, tensor.bytes(), written, mode, |b| pool.bytes(b)))
+                let (id, seq, tag) = (exchange.inline.id(), exchange.inline.seq(), exchange.tag);
+                let frame = ExchangeFrame { gid: self.gid, from: self.me, to: peer, step, id, seq, tag };
+                frame.send(&exchange.tensors[0], &self.writers, &self.pool, &self.on_written, mode)
             }
         };
         match sent {
@@ -1116,6 +1107,39 @@ impl DriverState {
             Event::TearDown { cause } => effects.tear_down = Some(cause),
             _ => {}
         }
+    }
+}
+
+/// One exchange's data frame of a work run in its submit call, as the executor would send it.
+struct ExchangeFrame {
+    gid: GroupId,
+    from: Rank,
+    to: Rank,
+    step: u32,
+    id: WorkId,
+    seq: SeqNo,
+    tag: u32,
+}
+
+impl ExchangeFrame {
+    /// Send `tensor` in this frame on the lane to `to`, written at once if it can be. Inlined:
+    /// the first exchange's send is on the submit-call path, where a call of its own adds to
+    /// every small allreduce.
+    #[inline(always)]
+    fn send(
+        self,
+        tensor: &Tensor,
+        writers: &Writers,
+        pool: &BufferPool,
+        on_written: &WrittenHook,
+        mode: SendMode,
+    ) -> Sent {
+        let mut header = FrameHeader::data(self.gid, self.seq, self.step, self.from, tensor.nbytes() as u64);
+        header.tag = self.tag;
+        let id = self.id;
+        let written = || Some(super::link::Written { id, hook: on_written.0.clone() });
+        let lane = writers.get(&self.to).and_then(|l| l.lane_for(&header, tensor.nbytes()));
+        lane.map_or(Sent::Gone, |l| l.send_slice(header, tensor.bytes(), written, mode, |b| pool.bytes(b)))
     }
 }
 
