@@ -77,7 +77,9 @@ COHORT_COLUMNS = {"cohort shm": "1", "cohort TCP": "0"}
 def cohort_row(exe, ranks, name, shm="1"):
     """One cohort bench row: (time_us, busbw); `shm` is COHORT_SHM."""
     env = dict(os.environ, COHORT_SHM=shm)
-    cmd = [exe, "bench", "--ranks", str(ranks), "-c", "0", "--json", *COHORT_ROWS[name]]
+    # The loop is timed as a whole, as the anchors time theirs (a clock read per iteration would
+    # add a few percent to the 4 B rows).
+    cmd = [exe, "bench", "--ranks", str(ranks), "-c", "0", "--json", "--whole-loop", *COHORT_ROWS[name]]
     for line in run(cmd, env=env).splitlines():
         o = json.loads(line)
         return (o["time_us"], o["busbw"])

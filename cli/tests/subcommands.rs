@@ -50,6 +50,23 @@ fn bench_checks_every_op_and_emits_json() {
 }
 
 #[test]
+fn bench_times_the_whole_loop_when_asked_with_the_same_figures_otherwise() {
+    let out = cohort(&["bench", "-b", "4", "-e", "64", "-f", "16", "-n", "50", "--json", "--whole-loop"]);
+    let stdout = text(&out.stdout);
+    assert!(out.status.success(), "{stdout}\n{}", text(&out.stderr));
+    let rows: Vec<serde_json::Value> = stdout.lines().map(|l| serde_json::from_str(l).expect(l)).collect();
+    assert_eq!(rows.iter().map(|r| r["size"].as_u64()).collect::<Vec<_>>(), [Some(4), Some(64)], "{stdout}");
+    for row in &rows {
+        // No clock read per iteration: no iteration's time, no median; the mean and the check
+        // are there.
+        assert_eq!(row["times_us"].as_array().map(Vec::len), Some(0), "{row}");
+        assert!(row["median_us"].is_null(), "{row}");
+        assert!(row["time_us"].as_f64().is_some_and(|t| t > 0.0), "{row}");
+        assert_eq!(row["wrong"], 0, "{row}");
+    }
+}
+
+#[test]
 fn bench_keeps_several_works_in_flight_and_checks_each() {
     for op in ["allreduce", "sendrecv", "allgather", "barrier"] {
         let out =
