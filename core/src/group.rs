@@ -55,6 +55,11 @@ const STUCK_NOTES_PER_PEER: usize = 64;
 /// finished (a broadcast root finishes before its peers notice anything).
 const SIGNATURES_KEPT: usize = 256;
 
+/// How often, at most, [`GroupState::finish_inline`] notes the peers an inline work heard from:
+/// a silence timer counts in heartbeat intervals, seconds, and reads a peer's time only when it
+/// fires.
+pub const INLINE_HEARD_EVERY: Duration = Duration::from_micros(100);
+
 /// Desync censuses open at once; older ones are dropped.
 const CENSUSES_KEPT: usize = 8;
 
@@ -822,6 +827,11 @@ impl InlineWork {
     pub fn seq(&self) -> SeqNo {
         self.seq
     }
+
+    /// When it was submitted, after the group's epoch ([`GroupState::epoch`]).
+    pub fn submitted(&self) -> Duration {
+        self.lifecycle.enqueued_at()
+    }
 }
 
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -864,6 +874,8 @@ pub struct GroupState {
     transmits: VecDeque<Transmit>,
     launches: VecDeque<Launch>,
     events: VecDeque<Event>,
+    /// When [`GroupState::finish_inline`] last noted the peers it heard from.
+    inline_heard: Option<Duration>,
     /// The last profiling name formatted for the recorder (its allocation is reused).
     name_buf: String,
     /// The recorder's id of each collective's profiling name (`backend:op`), interned on first
@@ -923,6 +935,7 @@ impl GroupState {
             transmits: VecDeque::new(),
             launches: VecDeque::new(),
             events: VecDeque::new(),
+            inline_heard: None,
             name_buf: String::new(),
             collective_names: Vec::new(),
             signatures: VecDeque::new(),
@@ -1067,11 +1080,28 @@ impl GroupState {
         Ok(Inline::Running(InlineWork { id, seq, op: collective.op, lifecycle, timeout, record }, sent))
     }
 
-    /// Inline work `work` succeeded: it finishes as a work leaving the table finishes (its
-    /// flight-recorder entry completes), and its summary is returned rather than queued as an
-    /// [`Event::WorkFinished`].
-    pub fn finish_inline(&mut self, now: Instant, work: InlineWork) -> WorkSummary {
+    /// Inline work `work` succeeded, having heard from the ranks `heard_from` (as
+    /// [`GroupState::handle_peer_activity`] for each): it finishes as a work leaving the table
+    /// finishes (its flight-recorder entry completes), and its summary is returned rather than
+    /// queued as an [`Event::WorkFinished`].
+    ///
+    /// A peer's last-heard time is read only when its silence timer fires, after a heartbeat
+    /// interval: an inline work that ends within [`INLINE_HEARD_EVERY`] of the last one that
+    /// noted its peers leaves them as that one did, rather than looking each up at every small
+    /// collective.
+    pub fn finish_inline(
+        &mut self,
+        now: Instant,
+        work: InlineWork,
+        heard_from: impl IntoIterator<Item = Rank>,
+    ) -> WorkSummary {
         let now = self.since_epoch(now);
+        if self.inline_heard.is_none_or(|t| now >= t.saturating_add(INLINE_HEARD_EVERY)) {
+            self.inline_heard = Some(now);
+            for from in heard_from {
+                self.peer_heard(now, from);
+            }
+        }
         let InlineWork { id, seq, op, mut lifecycle, record, .. } = work;
         let result = WorkResult::Success;
         lifecycle.finish(now, result.terminal_state()).expect("a started work can finish");
@@ -1482,6 +1512,10 @@ impl GroupState {
     /// Any bytes from `from` prove it alive. Queues nothing.
     pub fn handle_peer_activity(&mut self, now: Instant, from: Rank) {
         let now = self.since_epoch(now);
+        self.peer_heard(now, from);
+    }
+
+    fn peer_heard(&mut self, now: Duration, from: Rank) {
         if self.cfg.heartbeat.is_some()
             && from != self.rank
             && from.0 < self.cfg.world_size
@@ -1626,6 +1660,12 @@ impl GroupState {
     /// Next user-facing event. Drain after every input.
     pub fn poll_event(&mut self) -> Option<Event> {
         self.events.pop_front()
+    }
+
+    /// Whether any of the three polls above has something: a caller with nothing to drain
+    /// learns it without the three.
+    pub fn has_output(&self) -> bool {
+        !(self.transmits.is_empty() && self.launches.is_empty() && self.events.is_empty())
     }
 
     // ---- helpers ----
@@ -2079,6 +2119,27 @@ mod tests {
     }
 
     #[test]
+    fn has_output_says_whether_any_poll_has_something() {
+        let (mut g, t0) = group(2, 0, ErrorHandling::CleanUpOnly);
+        assert!(!g.has_output(), "a new group has nothing to say");
+        let a = g.submit(t0, allreduce(4)).unwrap();
+        assert!(g.has_output(), "a launch");
+        while g.poll_launch().is_some() {}
+        assert!(!g.has_output());
+        g.handle_started(t0, a);
+        g.handle_completion(t0, a, Completion::Success);
+        assert!(g.has_output(), "an event");
+        drain_events(&mut g);
+        assert!(!g.has_output());
+        // An abort: an event, and a transmit (the abort to the peer).
+        g.handle_abort(t0, "user asked".into());
+        drain_events(&mut g);
+        assert!(g.has_output(), "the abort for rank 1 is still to go");
+        assert!(g.poll_transmit().is_some());
+        assert!(!g.has_output(), "all drained");
+    }
+
+    #[test]
     fn a_timeout_follows_stuck_notes_to_the_rank_that_never_came() {
         let (mut g, t0) = waiting_on_rank_1();
         let s = |ms| t0 + Duration::from_millis(ms);
@@ -2298,7 +2359,7 @@ mod tests {
             assert_eq!(numbers, (want.id, want.seq), "`first` ran with the work's numbers");
             assert_eq!(inline.in_flight(), 0, "it stays with the caller");
             assert!(inline.poll_launch().is_none());
-            assert_eq!(inline.finish_inline(ms(10 * i + 3), w), want);
+            assert_eq!(inline.finish_inline(ms(10 * i + 3), w, []), want);
             assert!(drain_events(&mut inline).is_empty(), "its summary was returned, not queued");
         }
         assert_eq!(inline.dump(), usual.dump(), "the same flight-recorder entries, times and statuses");
@@ -2580,6 +2641,37 @@ mod tests {
         );
         assert!(matches!(&events[1], Event::GroupFailed(f) if f.culprit() == Some(Rank(2))));
         assert_eq!(g.last_timeout_reason(), Some(TimerKind::PeerSilence(Rank(2))));
+    }
+
+    #[test]
+    fn an_inline_work_notes_its_peers_as_heard_from_at_most_once_in_inline_heard_every() {
+        // Rank 1 is heard from by inline works at 100, 200 and 300 ms; rank 2 only by one that
+        // ends `gap` after the last of those. Rank 2's silence timer fires at 350 ms.
+        let lost_at_360 = |gap: Duration| {
+            let (mut g, t0) = heartbeating(false);
+            let ms = |m| t0 + Duration::from_millis(m);
+            g.handle_timeout(ms(0));
+            let c = Checked::new(allreduce(4), Rank(0), 3).unwrap();
+            let mut inline = |at: Instant, from: Rank| {
+                let Inline::Running(w, ()) = g.submit_inline(at, &c, |_, _| ()).unwrap() else { panic!() };
+                g.finish_inline(at, w, [from]);
+            };
+            for t in [100, 200, 300] {
+                inline(ms(t), Rank(1));
+            }
+            inline(ms(300) + gap, Rank(2));
+            g.handle_timeout(ms(360));
+            let lost: Vec<Rank> = drain_events(&mut g)
+                .into_iter()
+                .filter_map(|e| match e {
+                    Event::PeerLost { rank, .. } => Some(rank),
+                    _ => None,
+                })
+                .collect();
+            lost
+        };
+        assert_eq!(lost_at_360(INLINE_HEARD_EVERY), [], "both heard from in time");
+        assert_eq!(lost_at_360(INLINE_HEARD_EVERY / 2), [Rank(2)], "rank 2's work came too soon to be noted");
     }
 
     #[test]

@@ -206,13 +206,24 @@ impl<W, P> DataPlane<W, P> {
         let mut stale = Vec::new();
         if let Some(seq) = collective {
             self.running.remove(&seq);
-            self.last_finished = self.last_finished.max(seq);
-            if !self.early.is_empty() {
-                let live = self.early.split_off(&SeqNo(self.last_finished.0.saturating_add(1)));
-                stale.extend(std::mem::replace(&mut self.early, live).into_values().flatten().map(|f| f.payload));
-            }
+            self.finished_collective(seq, &mut stale);
         }
         Finished { work: self.works.remove(&id).map(|t| t.data), stale }
+    }
+
+    /// Collective `seq`, which this plane never tracked nor ran (the driver ran it to its end
+    /// itself, inside its submit call), ended: frames for it and every older collective are
+    /// stale from now on, as after [`DataPlane::finish`]. Their payloads are added to `stale`.
+    pub fn finish_untracked(&mut self, seq: SeqNo, stale: &mut Vec<P>) {
+        self.finished_collective(seq, stale);
+    }
+
+    fn finished_collective(&mut self, seq: SeqNo, stale: &mut Vec<P>) {
+        self.last_finished = self.last_finished.max(seq);
+        if !self.early.is_empty() {
+            let live = self.early.split_off(&SeqNo(self.last_finished.0.saturating_add(1)));
+            stale.extend(std::mem::replace(&mut self.early, live).into_values().flatten().map(|f| f.payload));
+        }
     }
 
     // ---- Collectives and their frames ---------------------------------------------------

@@ -72,6 +72,23 @@ fn early_frames_are_held_and_handed_over_in_order_and_old_ones_are_stale() {
 }
 
 #[test]
+fn a_collective_run_outside_the_plane_makes_its_frames_and_older_ones_stale_and_keeps_newer() {
+    let mut p: DataPlane<(), u8> = DataPlane::new(4);
+    assert_eq!(p.route(SeqNo(1), frame(1, 10)), Route::Held);
+    assert_eq!(p.route(SeqNo(2), frame(1, 20)), Route::Held);
+    assert_eq!(p.route(SeqNo(3), frame(1, 30)), Route::Held);
+    let mut stale = vec![7];
+    p.finish_untracked(SeqNo(2), &mut stale);
+    assert_eq!(stale, [7, 10, 20], "added to what the caller had");
+    assert_eq!(p.held(), 1);
+    assert_eq!(p.route(SeqNo(2), frame(2, 21)), Route::Stale(21));
+    assert_eq!(p.launch(SeqNo(3), WorkId(1)).iter().map(|f| f.payload).collect::<Vec<_>>(), [30]);
+    // An older collective ending later moves nothing back.
+    p.finish_untracked(SeqNo(1), &mut stale);
+    assert_eq!(p.route(SeqNo(2), frame(3, 22)), Route::Stale(22));
+}
+
+#[test]
 fn a_different_fingerprint_is_a_mismatch_for_the_census_not_a_failure() {
     let mut p: DataPlane<(), u8> = DataPlane::new(4);
     let mine = Fingerprint { op: OpType::Allreduce, dtype: Some(DType::F32), root: None };

@@ -492,12 +492,14 @@ impl DriverState {
         let end = match exchange.reduction.finalize(exchange.tensors[0].bytes_mut(), world) {
             Ok(()) => {
                 let Exchange { inline, hook, tensors, .. } = exchange;
-                // The inline work ends before the group hears of anything else (the peers'
-                // activity included): nothing may find it missing from the table.
-                let summary = self.group.finish_inline(now, inline);
-                self.heard_from_chain(now, heard);
-                let finished = self.plane.finish(summary.id, Some(summary.seq));
-                for payload in finished.stale {
+                // The inline work ends before the group hears of anything else: nothing may
+                // find it missing from the table. The chain's peers were heard from.
+                let chain = self.quick_chain;
+                let summary = self.group.finish_inline(now, inline, (0..heard).map(|i| chain.at(i).0));
+                // The plane never tracked it: only the frames it makes stale are its business.
+                let mut stale = Vec::new();
+                self.plane.finish_untracked(summary.seq, &mut stale);
+                for payload in stale {
                     self.pool.give(payload);
                 }
                 let (work, hook) = Work::finished(summary, tensors, hook, self.gid, self.me);
@@ -971,8 +973,16 @@ impl DriverState {
         }
     }
 
-    /// Drain every output of the core until nothing is left.
+    /// Drain every output of the core until nothing is left. Inlined for its first look: most
+    /// inputs (a work ended in its submit call among them) leave nothing.
+    #[inline]
     fn drain(&mut self, now: Instant, effects: &mut Effects) {
+        if self.group.has_output() {
+            self.drain_outputs(now, effects);
+        }
+    }
+
+    fn drain_outputs(&mut self, now: Instant, effects: &mut Effects) {
         loop {
             let mut progressed = false;
             while let Some(t) = self.group.poll_transmit() {
