@@ -629,6 +629,19 @@ impl Consumer {
         self.seg.word(self.dir, BOX_HEAD).store(self.box_next, Ordering::Release);
     }
 
+    /// Whether nothing can be waiting: no box entry partly read, the next box slot not written
+    /// yet, and the writer's position where this reader's is. Two loads, and no checks, for a
+    /// reader that spins on an empty ring: `false` only says to look ([`Consumer::available`],
+    /// [`Consumer::read`] and [`Consumer::read_in_place`] check what they find). A hostile
+    /// writer can make it say `false`, never make it read outside the segment.
+    #[inline]
+    pub fn looks_empty(&self) -> bool {
+        let (seg, dir, count) = (&self.seg, self.dir, self.box_next);
+        self.box_off == 0
+            && seg.stamp(dir, count).load(Ordering::Relaxed) != stamp_of(count)
+            && seg.word(dir, TAIL).load(Ordering::Relaxed) == self.head
+    }
+
     /// Bytes waiting to be read in one run: ring bytes up to the next box entry, or the rest
     /// of that entry. Zero only when nothing waits.
     pub fn available(&self) -> Result<usize, ShmError> {
@@ -949,6 +962,33 @@ mod tests {
         }
         assert_eq!(got, sent);
         assert_eq!(c.available().unwrap(), 0);
+    }
+
+    #[test]
+    fn the_quick_look_says_empty_exactly_when_nothing_waits() {
+        let (mut p, mut c, _seg) = pair(4096);
+        let same = |c: &Consumer, when: &str| {
+            assert_eq!(c.looks_empty(), c.available().unwrap() == 0, "{when}");
+        };
+        same(&c, "new");
+        assert!(c.looks_empty());
+        // Box entries, ring bytes, an entry read in parts, and every slot of the box reused.
+        for (i, len) in
+            [3usize, 100, 48, 1, 2000, 47, 12, 5, 5, 5, 5, 5, 5, 5, 5, 5, 5, 5, 5, 5, 5, 5].into_iter().enumerate()
+        {
+            assert_eq!(p.write([&vec![i as u8; len][..]]).unwrap(), len);
+            same(&c, &format!("after write {i}"));
+            assert!(!c.looks_empty(), "write {i} waits");
+            loop {
+                let mut out = [0u8; 7];
+                let n = c.read(&mut out).unwrap();
+                same(&c, &format!("after reading {n} bytes of write {i}"));
+                if n == 0 {
+                    break;
+                }
+            }
+            assert!(c.looks_empty(), "write {i} read");
+        }
     }
 
     #[test]

@@ -162,7 +162,7 @@ impl ProcessGroup {
         let inner = Arc::new_cyclic(|weak: &std::sync::Weak<Inner>| {
             let progress: crate::work::ProgressFn = Arc::new(super::Poller::new(weak.clone(), &opts));
             let polling = Mutex::new(super::Polling::new(opts.busy_poll));
-            let quick = super::quick::Gate::new(world_size, opts.oversubscribed);
+            let quick = super::quick::Gate::new(world_size, opts.oversubscribed, group.epoch());
             let weak = weak.clone();
             let on_written: super::state::OnWritten = Arc::new(move |to, ids, outcome| {
                 if let Some(inner) = weak.upgrade() {

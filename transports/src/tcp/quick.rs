@@ -122,16 +122,19 @@ pub(crate) struct Gate {
     readers: Box<[OnceLock<Arc<FastReader>>]>,
     /// Whether any is: a group whose frames all go over sockets never tries the path.
     any_reader: AtomicBool,
-    /// When the last work that ended in its submit call started, in nanoseconds after `born`,
+    /// When the last work that ended in its submit call started, in nanoseconds after `epoch`,
     /// plus one (0: none yet). What a polling thread's `Polling::last_finished` is, kept apart
     /// so that the path stores a word where it would take the polling state's lock.
     last_ended: AtomicU64,
-    born: Instant,
+    /// The group's epoch ([`GroupState::epoch`](cohort_core::group::GroupState::epoch)), which
+    /// a work's submission time counts from.
+    epoch: Instant,
 }
 
 impl Gate {
-    /// The gate of a group of `world_size` ranks; `yields`: each empty look yields the core.
-    pub(super) fn new(world_size: u32, yields: bool) -> Self {
+    /// The gate of a group of `world_size` ranks whose core's epoch is `epoch`; `yields`: each
+    /// empty look yields the core.
+    pub(super) fn new(world_size: u32, yields: bool, epoch: Instant) -> Self {
         let wait = if yields { QUICK_WAIT_YIELDING } else { QUICK_WAIT };
         Gate {
             wait_ns: AtomicU64::new(wait.as_nanos() as u64),
@@ -144,7 +147,7 @@ impl Gate {
             readers: (0..world_size).map(|_| OnceLock::new()).collect(),
             any_reader: AtomicBool::new(false),
             last_ended: AtomicU64::new(0),
-            born: Instant::now(),
+            epoch,
         }
     }
 }
@@ -176,19 +179,19 @@ impl Gate {
         true
     }
 
-    /// A work that started `at` ended in its submit call. Only a thread that holds the group's
-    /// state counts: a load and a store, not a locked add.
-    fn took(&self, at: Instant) {
+    /// A work submitted `at` after the epoch ([`Exchange::submitted`](super::state::Exchange::submitted))
+    /// ended in its submit call. Only a thread that holds the group's state counts: a load
+    /// and a store, not a locked add.
+    fn took(&self, at: Duration) {
         self.late.store(0, Ordering::Relaxed);
         self.ended.store(self.ended.load(Ordering::Relaxed) + 1, Ordering::Relaxed);
-        let ns = at.saturating_duration_since(self.born).as_nanos() as u64;
-        self.last_ended.store(ns.saturating_add(1), Ordering::Relaxed);
+        self.last_ended.store((at.as_nanos() as u64).saturating_add(1), Ordering::Relaxed);
     }
 
     /// When the last work that ended in its submit call started, if any has.
     pub(super) fn last_ended(&self) -> Option<Instant> {
         let ns = self.last_ended.load(Ordering::Relaxed).checked_sub(1)?;
-        Some(self.born + Duration::from_nanos(ns))
+        Some(self.epoch + Duration::from_nanos(ns))
     }
 
     /// A shared-memory connection to `peer` was attached: the first is the path's.
@@ -305,13 +308,14 @@ pub(super) fn allreduce(inner: &Arc<Inner>, tensors: Vec<Tensor>, op: ReduceOp) 
                     }
                 }
                 Waited::Took => {
+                    let submitted = exchange.submitted();
                     let end = st.quick_finish(super::now(), exchange, fx);
                     // This thread read the ring for its work as a polling thread does: the
                     // reader tasks may leave their wake-ups off for a while, as after a polled
                     // work (`Inner::rearm_in`). Otherwise one that re-armed finds the peer's
                     // next frame waiting, wakes, and waits for this thread's hold on the ring,
                     // at every work.
-                    gate.took(started);
+                    gate.took(submitted);
                     took = true;
                     return (Ok(end), None);
                 }
@@ -494,7 +498,8 @@ mod tests {
 
     #[test]
     fn a_late_peer_closes_a_spinning_path_for_longer_each_time_in_a_row_and_nothing_else_does() {
-        let gate = super::Gate::new(2, false);
+        let epoch = Instant::now();
+        let gate = super::Gate::new(2, false, epoch);
         let skipped = |gate: &super::Gate| (0..10_000).take_while(|_| gate.skip()).count();
         assert_eq!(skipped(&gate), 0, "open from the start");
         assert_eq!(gate.last_ended(), None);
@@ -504,9 +509,9 @@ mod tests {
             gate.handed_off(true, 0);
             assert_eq!(skipped(&gate), want);
         }
-        let at = Instant::now();
+        let at = Duration::from_micros(1234);
         gate.took(at);
-        assert_eq!(gate.last_ended(), Some(at), "what the reader tasks' grace counts from");
+        assert_eq!(gate.last_ended(), Some(epoch + at), "what the reader tasks' grace counts from");
         gate.handed_off(true, 0);
         assert_eq!(skipped(&gate), 16, "a work that ended in its call starts the count again");
         assert_eq!(gate.ended.load(Ordering::Relaxed), 1);
@@ -516,7 +521,7 @@ mod tests {
         assert_eq!(gate.handed_off_later.load(Ordering::Relaxed), 1, "one after its chain's first exchange");
 
         // Where the wait yields the core, lateness closes nothing, and it waits longer.
-        let yielding = super::Gate::new(2, true);
+        let yielding = super::Gate::new(2, true, epoch);
         for _ in 0..3 {
             yielding.handed_off(true, 0);
             assert_eq!(skipped(&yielding), 0);

@@ -11,7 +11,7 @@
 //! [`DataPlane`](cohort_core::dataplane) to decide; this file keeps the sockets' queues, the
 //! tensors and the collectives' runs, and does what it answers.
 
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use bytes::Bytes;
 use cohort_core::dataplane::{self, AfterWrite, DataFrame, DataPlane, PeerClosed, Route};
@@ -1270,6 +1270,11 @@ impl Exchange {
     /// The current exchange's place in the chain (0: the first).
     pub(crate) fn place(&self) -> usize {
         self.at as usize
+    }
+
+    /// When its work was submitted, after the group's epoch.
+    pub(crate) fn submitted(&self) -> Duration {
+        self.inline.submitted()
     }
 
     /// Whether the frame is the peer's part of the current exchange: the same group, sequence
