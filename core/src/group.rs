@@ -1071,12 +1071,10 @@ impl GroupState {
         let already = checked.rank == self.rank && checked.world_size == self.cfg.world_size;
         let (id, seq, timeout) = self.admit_checks(now, collective, already)?;
         let sent = first(id, seq);
-        let record = self.admit_record(now, collective, seq, timeout);
+        // Recorded as started: it starts now.
+        let record = self.admit_record(now, collective, seq, timeout, true);
         let mut lifecycle = Lifecycle::new(now);
         lifecycle.start(now).expect("a new work can always start");
-        if let Some(rid) = record {
-            self.recorder.handle_started(rid, now);
-        }
         Ok(Inline::Running(InlineWork { id, seq, op: collective.op, lifecycle, timeout, record }, sent))
     }
 
@@ -1127,7 +1125,7 @@ impl GroupState {
     /// The checks, sequence number, flight-recorder entry and desync signature of a new work.
     fn admit(&mut self, now: Duration, collective: &Collective) -> Result<Admitted, SubmitError> {
         let (id, seq, timeout) = self.admit_checks(now, collective, false)?;
-        let record = self.admit_record(now, collective, seq, timeout);
+        let record = self.admit_record(now, collective, seq, timeout, false);
         Ok(Admitted { id, seq, timeout, record })
     }
 
@@ -1168,15 +1166,16 @@ impl GroupState {
     }
 
     /// [`GroupState::admit`]'s second half, for the work numbered last: its flight-recorder
-    /// entry and, for a collective, its desync signature.
+    /// entry (as started at `now` if `started`) and, for a collective, its desync signature.
     fn admit_record(
         &mut self,
         now: Duration,
         collective: &Collective,
         seq: SeqNo,
         timeout: Duration,
+        started: bool,
     ) -> Option<RecordId> {
-        let record = self.record(now, collective, seq, timeout);
+        let record = self.record(now, collective, seq, timeout, started);
         if !collective.op.is_p2p() {
             if self.signatures.len() == SIGNATURES_KEPT {
                 self.signatures.pop_front();
@@ -1678,7 +1677,14 @@ impl GroupState {
         (0..self.cfg.world_size).map(Rank).filter(|&r| r != self.rank).collect()
     }
 
-    fn record(&mut self, now: Duration, c: &Collective, seq: SeqNo, timeout: Duration) -> Option<RecordId> {
+    fn record(
+        &mut self,
+        now: Duration,
+        c: &Collective,
+        seq: SeqNo,
+        timeout: Duration,
+        started: bool,
+    ) -> Option<RecordId> {
         if !self.recorder.is_enabled() {
             return None;
         }
@@ -1705,22 +1711,20 @@ impl GroupState {
         };
         let is_p2p = c.op.is_p2p();
         let outputs = if c.outputs.is_empty() { &c.inputs } else { &c.outputs };
-        let record = self.recorder.record(
-            now,
-            &RecordRequest {
-                pg_id: u64::from(self.cfg.group_id.0),
-                pg_name: &self.cfg.name,
-                pg_desc: &self.cfg.desc,
-                collective_seq_id: if is_p2p { self.seq.0 } else { seq.0 },
-                p2p_seq_id: if is_p2p { seq.0 } else { self.p2p_seq.0 },
-                op_id: self.next_work - 1,
-                profiling_name: name,
-                inputs: &c.inputs,
-                outputs,
-                timeout,
-                is_p2p,
-            },
-        );
+        let req = RecordRequest {
+            pg_id: u64::from(self.cfg.group_id.0),
+            pg_name: &self.cfg.name,
+            pg_desc: &self.cfg.desc,
+            collective_seq_id: if is_p2p { self.seq.0 } else { seq.0 },
+            p2p_seq_id: if is_p2p { seq.0 } else { self.p2p_seq.0 },
+            op_id: self.next_work - 1,
+            profiling_name: name,
+            inputs: &c.inputs,
+            outputs,
+            timeout,
+            is_p2p,
+        };
+        let record = if started { self.recorder.record_started(now, &req) } else { self.recorder.record(now, &req) };
         self.name_buf = profiling_name;
         record
     }
@@ -1741,7 +1745,7 @@ impl GroupState {
         };
         self.next_work += 1;
         let timeout = c.timeout.unwrap_or(self.cfg.timeout);
-        if let Some(rid) = self.record(now, c, seq, timeout) {
+        if let Some(rid) = self.record(now, c, seq, timeout, false) {
             let result = WorkResult::RemoteError {
                 rank: cause.origin,
                 blame: cause.blame.clone(),

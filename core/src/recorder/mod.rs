@@ -430,6 +430,22 @@ impl FlightRecorder {
     /// recorder is off. At capacity, overwrites the oldest entry. Moves the group's
     /// `last_enqueued_collective` for a collective.
     pub fn record<T: TensorShape>(&mut self, now: Duration, req: &RecordRequest<'_, T>) -> Option<RecordId> {
+        self.record_at(now, req, false)
+    }
+
+    /// Record a work enqueued and started at `now`, as [`record`](Self::record) then
+    /// [`handle_started`](Self::handle_started) at the same `now` would leave it, in one call
+    /// (for a work run to its end in its submit call).
+    pub fn record_started<T: TensorShape>(&mut self, now: Duration, req: &RecordRequest<'_, T>) -> Option<RecordId> {
+        self.record_at(now, req, true)
+    }
+
+    fn record_at<T: TensorShape>(
+        &mut self,
+        now: Duration,
+        req: &RecordRequest<'_, T>,
+        started: bool,
+    ) -> Option<RecordId> {
         let capacity = self.config.capacity;
         if capacity == 0 {
             return None;
@@ -443,7 +459,12 @@ impl FlightRecorder {
         let seq = self.recorded;
         self.recorded += 1;
         if !req.is_p2p {
-            self.status_of(group).last_enqueued_collective = seq_to_status(req.collective_seq_id);
+            let seq = seq_to_status(req.collective_seq_id);
+            let status = self.status_of(group);
+            status.last_enqueued_collective = seq;
+            if started {
+                status.last_started_collective = status.last_started_collective.max(seq);
+            }
         }
 
         let shapes = self.shapes.acquire(req.inputs, req.outputs);
@@ -464,11 +485,11 @@ impl FlightRecorder {
         slot.is_p2p = req.is_p2p;
         slot.timeout = req.timeout;
         slot.created = now;
-        slot.started = None;
+        slot.started = started.then_some(now);
         slot.completed = None;
         slot.finished = None;
         slot.duration = None;
-        slot.state = WorkState::Enqueued;
+        slot.state = if started { WorkState::Started } else { WorkState::Enqueued };
         slot.error = None;
         slot.blame = None;
         let overwritten = std::mem::replace(&mut slot.shapes, shapes);

@@ -85,6 +85,38 @@ fn transitions_on_an_overwritten_entry_are_ignored() {
 }
 
 #[test]
+fn recording_as_started_leaves_what_recording_then_starting_leaves() {
+    // Collectives and a point-to-point op, some completed, some failed, some left running,
+    // in a ring that wraps.
+    let p2p = |seq| RecordRequest {
+        is_p2p: true,
+        p2p_seq_id: seq,
+        profiling_name: "gloo:send 1->0".into(),
+        ..allreduce(seq)
+    };
+    let (mut two_calls, mut one_call) = (recorder(4), recorder(4));
+    for seq in 1..=7u64 {
+        let req = if seq == 3 { p2p(seq) } else { allreduce(seq) };
+        let a = two_calls.record(ms(seq), &req).unwrap();
+        two_calls.handle_started(a, ms(seq));
+        let b = one_call.record_started(ms(seq), &req).unwrap();
+        for (fr, id) in [(&mut two_calls, a), (&mut one_call, b)] {
+            match seq % 3 {
+                0 => fr.handle_completed(id, ms(seq + 1)),
+                1 => fr.handle_finished(
+                    id,
+                    ms(seq + 2),
+                    &WorkResult::Timeout { message: "late".into(), blame: crate::work::Blame::nobody() },
+                ),
+                _ => {}
+            }
+        }
+        assert_eq!(one_call.dump(meta()), two_calls.dump(meta()), "after collective {seq}");
+    }
+    assert_eq!(status(&one_call, "0"), st(7, 7, 6));
+}
+
+#[test]
 fn pg_status_follows_collectives() {
     let mut fr = recorder(8);
     assert_eq!(status(&fr, "0"), st(-1, -1, -1));
