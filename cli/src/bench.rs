@@ -75,8 +75,8 @@ pub(crate) struct BenchArgs {
     json: bool,
     /// Read the clock only before and after the timed loop, as the MPI and torch anchors do,
     /// not after every iteration: a clock read costs a few percent of a small op's time. The
-    /// table always times the whole loop; with --json, `times_us` is then empty and
-    /// `median_us` null.
+    /// TCP table always times the whole loop; with --json, `times_us` is then empty and
+    /// `median_us` null. (NCCL's times are the device's, taken either way.)
     #[arg(long)]
     whole_loop: bool,
 }

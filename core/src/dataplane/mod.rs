@@ -206,19 +206,16 @@ impl<W, P> DataPlane<W, P> {
         let mut stale = Vec::new();
         if let Some(seq) = collective {
             self.running.remove(&seq);
-            self.finished_collective(seq, &mut stale);
+            self.collective_ended(seq, &mut stale);
         }
         Finished { work: self.works.remove(&id).map(|t| t.data), stale }
     }
 
-    /// Collective `seq`, which this plane never tracked nor ran (the driver ran it to its end
-    /// itself, inside its submit call), ended: frames for it and every older collective are
-    /// stale from now on, as after [`DataPlane::finish`]. Their payloads are added to `stale`.
-    pub fn finish_untracked(&mut self, seq: SeqNo, stale: &mut Vec<P>) {
-        self.finished_collective(seq, stale);
-    }
-
-    fn finished_collective(&mut self, seq: SeqNo, stale: &mut Vec<P>) {
+    /// Collective `seq` ended: frames for it and every older collective are stale from now on;
+    /// the payloads of those held are added to `stale`. [`DataPlane::finish`] calls it for a
+    /// collective this plane tracked; a driver calls it alone for one the plane never tracked
+    /// nor ran (run to its end inside its submit call).
+    pub fn collective_ended(&mut self, seq: SeqNo, stale: &mut Vec<P>) {
         self.last_finished = self.last_finished.max(seq);
         if !self.early.is_empty() {
             let live = self.early.split_off(&SeqNo(self.last_finished.0.saturating_add(1)));

@@ -78,13 +78,13 @@ fn a_collective_run_outside_the_plane_makes_its_frames_and_older_ones_stale_and_
     assert_eq!(p.route(SeqNo(2), frame(1, 20)), Route::Held);
     assert_eq!(p.route(SeqNo(3), frame(1, 30)), Route::Held);
     let mut stale = vec![7];
-    p.finish_untracked(SeqNo(2), &mut stale);
+    p.collective_ended(SeqNo(2), &mut stale);
     assert_eq!(stale, [7, 10, 20], "added to what the caller had");
     assert_eq!(p.held(), 1);
     assert_eq!(p.route(SeqNo(2), frame(2, 21)), Route::Stale(21));
     assert_eq!(p.launch(SeqNo(3), WorkId(1)).iter().map(|f| f.payload).collect::<Vec<_>>(), [30]);
     // An older collective ending later moves nothing back.
-    p.finish_untracked(SeqNo(1), &mut stale);
+    p.collective_ended(SeqNo(1), &mut stale);
     assert_eq!(p.route(SeqNo(2), frame(3, 22)), Route::Stale(22));
 }
 

@@ -498,7 +498,7 @@ impl DriverState {
                 let summary = self.group.finish_inline(now, inline, (0..heard).map(|i| chain.at(i).0));
                 // The plane never tracked it: only the frames it makes stale are its business.
                 let mut stale = Vec::new();
-                self.plane.finish_untracked(summary.seq, &mut stale);
+                self.plane.collective_ended(summary.seq, &mut stale);
                 for payload in stale {
                     self.pool.give(payload);
                 }
