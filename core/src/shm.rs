@@ -23,8 +23,15 @@
 //! A control block has four cache lines, so that the two sides never write the same line:
 //! `tail` (ring bytes ever written, the producer's), `head` (ring bytes ever read) and
 //! `box_head` (box entries ever read), both the consumer's, `want_data` (the consumer sleeps
-//! and wants a doorbell) and `want_space` (the producer waits for room and wants a doorbell).
-//! Positions only grow; a byte at position `p` lives at `p mod capacity`.
+//! and wants a doorbell) with `poller_core` on its line (see below), and `want_space` (the
+//! producer waits for room and wants a doorbell). Positions only grow; a byte at position `p`
+//! lives at `p mod capacity`.
+//!
+//! `poller_core` is the core the consumer's waiting thread last ran on, plus one (0: unknown,
+//! or the thread sleeps): two ranks of a pair whose waiting threads share one core take turns
+//! on it while another core may idle, and this word tells each which core the other's is on
+//! ([`Segment::poller_core`]). It is a hint and nothing more: whatever a peer writes there is
+//! only compared with a core number.
 //!
 //! # The box: small writes on one cache line
 //!
@@ -75,6 +82,7 @@ const TAIL: usize = 0;
 const HEAD: usize = 64;
 const BOX_HEAD: usize = 72;
 const WANT_DATA: usize = 128;
+const POLLER_CORE: usize = 136;
 const WANT_SPACE: usize = 192;
 
 /// A box slot: the stamp (u32) at 0, the length (u32) at 4, the ring position (u64) at 8,
@@ -264,7 +272,7 @@ impl Segment {
             for slot in 0..BOX_SLOTS {
                 self.stamp(dir, slot).store(0, Ordering::Relaxed);
             }
-            for field in [WANT_DATA, WANT_SPACE] {
+            for field in [WANT_DATA, POLLER_CORE, WANT_SPACE] {
                 self.flag(dir, field).store(0, Ordering::Relaxed);
             }
         }
@@ -306,9 +314,27 @@ impl Segment {
         Consumer { seg: self.clone(), dir, head, box_next, box_off: 0, box_len: 0 }
     }
 
+    /// Say that the thread waiting for ring `dir`'s bytes (this side consumes it) runs on
+    /// `core` (`None`: unknown, or it goes to sleep). The word is written only when it
+    /// changes: the producer reads `want_data` on the same line after every write.
+    pub fn set_poller_core(&self, dir: Direction, core: Option<u32>) {
+        let flag = self.flag(dir, POLLER_CORE);
+        let value = core.map_or(0, |c| c.saturating_add(1));
+        if flag.load(Ordering::Relaxed) != value {
+            flag.store(value, Ordering::Relaxed);
+        }
+    }
+
+    /// The core the thread waiting for ring `dir`'s bytes said it runs on
+    /// ([`Segment::set_poller_core`]): the peer's, when this side produces `dir`. A hint from
+    /// the peer's memory: any number may come back.
+    pub fn poller_core(&self, dir: Direction) -> Option<u32> {
+        self.flag(dir, POLLER_CORE).load(Ordering::Relaxed).checked_sub(1)
+    }
+
     /// Store `value` in control field `field` (0 tail, 1 head, 2 want_data, 3 want_space, 4
-    /// box_head; others are ignored) of ring `dir`, as a misbehaving peer could: what tests and
-    /// the fuzzer use to play one.
+    /// box_head, 5 poller_core; others are ignored) of ring `dir`, as a misbehaving peer
+    /// could: what tests and the fuzzer use to play one.
     #[doc(hidden)]
     pub fn scribble(&self, dir: Direction, field: u8, value: u64) {
         match field {
@@ -317,6 +343,7 @@ impl Segment {
             2 => self.flag(dir, WANT_DATA).store(value as u32, Ordering::Release),
             3 => self.flag(dir, WANT_SPACE).store(value as u32, Ordering::Release),
             4 => self.word(dir, BOX_HEAD).store(value, Ordering::Release),
+            5 => self.flag(dir, POLLER_CORE).store(value as u32, Ordering::Release),
             _ => {}
         }
     }
@@ -1085,6 +1112,34 @@ mod tests {
         while c.read(&mut out).unwrap() > 0 {}
         assert!(c.take_space_request(), "the waiter asked: ring");
         assert!(p.request_space(1).unwrap());
+    }
+
+    #[test]
+    fn the_poller_core_goes_to_the_other_side_and_leaves_the_ring_alone() {
+        let (mut p, mut c, seg) = pair(4096);
+        let (dir, other) = (Direction::FromCreator, Direction::FromAcceptor);
+        assert_eq!(seg.poller_core(dir), None, "unknown until said");
+        seg.set_poller_core(dir, Some(0));
+        assert_eq!(seg.poller_core(dir), Some(0), "core 0 is not 'unknown'");
+        assert_eq!(seg.poller_core(other), None, "each ring has its own");
+        seg.set_poller_core(dir, Some(7));
+        p.write([&b"ab"[..]]).unwrap();
+        assert!(!p.take_data_request(), "the word is not a doorbell request");
+        assert!(c.request_data().unwrap(), "a request beside it");
+        p.write([&b"c"[..]]).unwrap();
+        assert!(p.take_data_request(), "is seen");
+        assert_eq!(seg.poller_core(dir), Some(7), "and leaves the word alone");
+        seg.set_poller_core(dir, None);
+        assert_eq!(seg.poller_core(dir), None, "asleep");
+        // Whatever a peer writes is a number and nothing else.
+        seg.scribble(dir, 5, u64::MAX);
+        assert_eq!(seg.poller_core(dir), Some(u32::MAX - 1));
+        seg.set_poller_core(dir, Some(u32::MAX));
+        assert_eq!(seg.poller_core(dir), Some(u32::MAX - 1), "saturates, never wraps to 'unknown'");
+        let mut out = [0u8; 8];
+        assert_eq!(c.read(&mut out).unwrap(), 2, "the ring is untouched");
+        assert_eq!(c.read(&mut out[2..]).unwrap(), 1);
+        assert_eq!(&out[..3], b"abc");
     }
 
     #[test]

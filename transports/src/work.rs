@@ -184,6 +184,36 @@ pub(crate) trait Progress: Send + Sync {
     /// Someone waits for a work or asks about it: send what the group holds back now (a work
     /// may need this rank's own frames to end; see the TCP backend's `Corks`).
     fn flush(&self);
+    /// The calling thread, which polls, runs on `core`: tell the peers that can see it, and
+    /// say where theirs run (see [`CoreMoves`]). Unknown where the transport cannot say.
+    fn polls_on(&self, core: u32) -> Neighbours {
+        let _ = core;
+        Neighbours::default()
+    }
+}
+
+/// Where the polling threads of a rank's peers run, as they said last (over shared memory:
+/// [`Segment::poller_core`](cohort_core::shm::Segment::poller_core)), against the calling
+/// thread's core.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub(crate) struct Neighbours {
+    /// Some peer said where its thread runs (false: none shares memory with this rank, or none
+    /// polls now).
+    pub(crate) known: bool,
+    /// A peer of a lower rank runs on this core: this thread is the one that leaves it.
+    pub(crate) lower_here: bool,
+    /// A peer of a higher rank runs on this core: that one leaves it.
+    pub(crate) higher_here: bool,
+    /// The cores (those below 64) the peers run on, one bit each: a thread that leaves its
+    /// core goes to another one when it can.
+    pub(crate) cores: u64,
+}
+
+impl Neighbours {
+    /// Whether a peer's polling thread runs on this core.
+    fn shared(&self) -> bool {
+        self.lower_here || self.higher_here
+    }
 }
 
 /// How long a polling thread spins between yields, unless its group says otherwise
@@ -222,18 +252,28 @@ const AFTER_RETURN: Duration = Duration::from_secs(1);
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum CoreMove {
     Stay,
-    /// To another core.
-    Leave,
+    /// To another core: one outside `avoid` (a mask of cores below 64) where there is one.
+    Leave {
+        avoid: u64,
+    },
     /// Back to this core, the one it left.
     Return(usize),
 }
 
 /// A polling thread's moves between cores (see [`SHARED_CORE_YIELD`]), one per thread.
 ///
-/// - A yield that ran a polling thread (late by more than [`SHARED_CORE_YIELD`], less than
-///   [`NON_YIELDING`]) moves it to another core, on the toss of a coin ([`coin`]): the thread
-///   it shares the core with, the peer's, saw the same and decides the same way, and if both
-///   moved they would share the other core. It moves at most once in [`LEAVE_CORE_EVERY`].
+/// - Where the peers say which cores their polling threads run on ([`Neighbours`]: the ranks
+///   that share memory), that decides, after each periodic yield and when a wait for a peer's
+///   frame over shared memory has been empty for a while
+///   ([`SHARED_CORE_CHECK`](crate::tcp::socket::SHARED_CORE_CHECK)): of two threads on one
+///   core, the higher rank's leaves it, for a core no peer runs on where there is one; the
+///   lower rank's stays. Exactly one of the two moves, at once, and never onto the other's
+///   core. A late yield with no peer on the core ran some other thread: it moves nobody.
+/// - Where nobody says: a yield that ran a polling thread (late by more than
+///   [`SHARED_CORE_YIELD`], less than [`NON_YIELDING`]) moves it to another core, on the toss
+///   of a coin ([`coin`]): the thread it shares the core with, the peer's, saw the same and
+///   decides the same way, and if both moved they would share the other core.
+/// - Either way it moves at most once in [`LEAVE_CORE_EVERY`].
 /// - The first yield after a move tells whether the new core was a better one. If it ran a
 ///   thread that does not yield (another job holds that core), the thread goes back at once,
 ///   and tries no other core for [`AFTER_RETURN`]: sharing a core with a thread that keeps it
@@ -251,17 +291,27 @@ struct CoreMoves {
 
 impl CoreMoves {
     /// After a periodic yield at `now` that returned `late` after the time it was due, with
-    /// the coin showing `heads` or not.
-    fn after_yield(&mut self, now: std::time::Instant, late: Duration, heads: bool) -> CoreMove {
+    /// the coin showing `heads` or not, the peers' threads being `near`.
+    fn after_yield(&mut self, now: std::time::Instant, late: Duration, heads: bool, near: Neighbours) -> CoreMove {
         if let Some(core) = self.left.take()
             && late >= NON_YIELDING
         {
             self.next = Some(now + AFTER_RETURN);
             return CoreMove::Return(core);
         }
-        if ran_a_polling_thread(late) && heads && self.next.is_none_or(|next| now >= next) {
+        let leave = if near.known { near.lower_here } else { ran_a_polling_thread(late) && heads };
+        self.leave_if(leave, now, near)
+    }
+
+    /// When a wait at `now` found a peer's polling thread `near` (no yield to judge by).
+    fn on_check(&mut self, now: std::time::Instant, near: Neighbours) -> CoreMove {
+        self.leave_if(near.lower_here, now, near)
+    }
+
+    fn leave_if(&mut self, leave: bool, now: std::time::Instant, near: Neighbours) -> CoreMove {
+        if leave && self.next.is_none_or(|next| now >= next) {
             self.next = Some(now + LEAVE_CORE_EVERY);
-            return CoreMove::Leave;
+            return CoreMove::Leave { avoid: near.cores };
         }
         CoreMove::Stay
     }
@@ -325,24 +375,58 @@ fn turns(now: std::time::Instant, every: Duration) -> Duration {
     TURNS.get().interval(now, every)
 }
 
+thread_local! {
+    /// The calling thread's [`CoreMoves`].
+    static MOVES: std::cell::Cell<CoreMoves> = const { std::cell::Cell::new(CoreMoves { next: None, left: None }) };
+}
+
+/// The core the calling thread runs on.
+fn current_core() -> Option<u32> {
+    // SAFETY: a plain query about the calling thread.
+    u32::try_from(unsafe { libc::sched_getcpu() }).ok()
+}
+
+/// Make `decision`, for the calling thread's `moves`; once it has moved, tell the peers.
+fn make_move(moves: &mut CoreMoves, decision: CoreMove, progress: &dyn Progress) {
+    match decision {
+        CoreMove::Stay => return,
+        CoreMove::Leave { avoid } => moves.moved(move_core(None, avoid)),
+        CoreMove::Return(core) => {
+            let _ = move_core(Some(core), 0);
+        }
+    }
+    if let Some(core) = current_core() {
+        progress.polls_on(core);
+    }
+}
+
 /// The calling thread's [`CoreMoves`] and [`TakeTurns`], after a periodic yield at `now` that
 /// took `late`.
-fn after_yield(now: std::time::Instant, late: Duration) {
+fn after_yield(now: std::time::Instant, late: Duration, progress: &dyn Progress) {
     let mut turns = TURNS.get();
     turns.after_yield(now, late);
     TURNS.set(turns);
-    thread_local! {
-        static MOVES: std::cell::Cell<CoreMoves> = const { std::cell::Cell::new(CoreMoves { next: None, left: None }) };
-    }
+    let near = current_core().map_or_else(Neighbours::default, |core| progress.polls_on(core));
     let mut moves = MOVES.get();
-    match moves.after_yield(now, late, coin(late)) {
-        CoreMove::Stay => {}
-        CoreMove::Leave => moves.moved(move_core(None)),
-        CoreMove::Return(core) => {
-            let _ = move_core(Some(core));
-        }
-    }
+    let decision = moves.after_yield(now, late, coin(late), near);
+    make_move(&mut moves, decision, progress);
     MOVES.set(moves);
+}
+
+/// For a thread whose wait for a peer's frame has found nothing for a while: whether a peer's
+/// polling thread runs on its core (the wait then yields the core at each look, as spinning
+/// there keeps the peer from sending). Where the peer's rank is the lower, this thread has
+/// moved to another core first ([`CoreMoves`]).
+pub(crate) fn shares_core(progress: &dyn Progress) -> bool {
+    let Some(core) = current_core() else { return false };
+    let near = progress.polls_on(core);
+    if near.lower_here {
+        let mut moves = MOVES.get();
+        let decision = moves.on_check(std::time::Instant::now(), near);
+        make_move(&mut moves, decision, progress);
+        MOVES.set(moves);
+    }
+    near.shared()
 }
 
 /// A coin toss from how late a yield was and this process's id: two ranks' threads toss apart
@@ -353,10 +437,11 @@ fn coin(late: Duration) -> bool {
 }
 
 /// Move the calling thread to core `to` (`None`: any other core it may run on), then let it run
-/// wherever it could before: the kernel moves it at once, and it is not left pinned. The core it
-/// left; `None` where it could not move (no other core allowed, `to` not allowed, a call
-/// failed): it stays.
-fn move_core(to: Option<usize>) -> Option<usize> {
+/// wherever it could before: the kernel moves it at once, and it is not left pinned. Where `to`
+/// is `None`, the cores in `avoid` (a mask of those below 64) are left out too unless no other
+/// is allowed. The core it left; `None` where it could not move (no other core allowed, `to`
+/// not allowed, a call failed): it stays.
+fn move_core(to: Option<usize>, avoid: u64) -> Option<usize> {
     let size = std::mem::size_of::<libc::cpu_set_t>();
     let setsize = libc::CPU_SETSIZE as usize;
     // SAFETY: plain system calls on the calling thread's own affinity, with masks this frame
@@ -369,7 +454,16 @@ fn move_core(to: Option<usize>) -> Option<usize> {
         }
         let mut target = allowed;
         match to {
-            None => libc::CPU_CLR(here, &mut target),
+            None => {
+                libc::CPU_CLR(here, &mut target);
+                let mut elsewhere = target;
+                for core in (0..64).filter(|c| avoid >> c & 1 == 1) {
+                    libc::CPU_CLR(core, &mut elsewhere);
+                }
+                if libc::CPU_COUNT(&elsewhere) > 0 {
+                    target = elsewhere;
+                }
+            }
             Some(core) => {
                 libc::CPU_ZERO(&mut target);
                 if libc::CPU_ISSET(core, &allowed) && core != here {
@@ -656,7 +750,7 @@ impl Work {
                     if !yield_every.is_zero() {
                         // Whether another thread had this core meanwhile (see `CoreMoves` and
                         // `TakeTurns`).
-                        after_yield(back, back.duration_since(now));
+                        after_yield(back, back.duration_since(now), &**progress);
                     }
                     next_yield = back + turns(back, yield_every);
                 }
@@ -985,18 +1079,73 @@ mod tests {
         let now = std::time::Instant::now();
         let shared = Duration::from_micros(15);
         let mut m = CoreMoves::default();
-        assert_eq!(m.after_yield(now, Duration::from_micros(3), true), CoreMove::Stay, "on time: the core is its own");
-        assert_eq!(m.after_yield(now, shared, false), CoreMove::Stay, "tails stays (the peer may be moving)");
-        assert_eq!(m.after_yield(now, shared, true), CoreMove::Leave);
-        m.moved(Some(0));
-        assert_eq!(m.after_yield(now, Duration::from_micros(2), true), CoreMove::Stay, "the new core is free");
-        assert_eq!(m.after_yield(now + LEAVE_CORE_EVERY / 2, shared, true), CoreMove::Stay, "moved a moment ago");
-        assert_eq!(m.after_yield(now + LEAVE_CORE_EVERY, shared, true), CoreMove::Leave, "after the interval");
         assert_eq!(
-            m.after_yield(now, Duration::from_millis(3), true),
+            m.after_yield(now, Duration::from_micros(3), true, UNKNOWN),
+            CoreMove::Stay,
+            "on time: the core is its own"
+        );
+        assert_eq!(m.after_yield(now, shared, false, UNKNOWN), CoreMove::Stay, "tails stays (the peer may be moving)");
+        assert_eq!(m.after_yield(now, shared, true, UNKNOWN), CoreMove::Leave { avoid: 0 });
+        m.moved(Some(0));
+        assert_eq!(m.after_yield(now, Duration::from_micros(2), true, UNKNOWN), CoreMove::Stay, "the new core is free");
+        assert_eq!(
+            m.after_yield(now + LEAVE_CORE_EVERY / 2, shared, true, UNKNOWN),
+            CoreMove::Stay,
+            "moved a moment ago"
+        );
+        assert_eq!(
+            m.after_yield(now + LEAVE_CORE_EVERY, shared, true, UNKNOWN),
+            CoreMove::Leave { avoid: 0 },
+            "after the interval"
+        );
+        assert_eq!(
+            m.after_yield(now, Duration::from_millis(3), true, UNKNOWN),
             CoreMove::Stay,
             "a busy thread, no move before: stays"
         );
+    }
+
+    /// No peer says where its thread runs.
+    const UNKNOWN: Neighbours = Neighbours { known: false, lower_here: false, higher_here: false, cores: 0 };
+
+    #[test]
+    fn where_the_peers_say_they_run_the_higher_rank_of_two_on_a_core_moves_and_nobody_else() {
+        let now = std::time::Instant::now();
+        let (on_time, shared) = (Duration::from_micros(1), Duration::from_micros(30));
+        // This thread runs on core 1; the peers on cores 1 and 3.
+        let lower = Neighbours { known: true, lower_here: true, higher_here: false, cores: 0b1010 };
+        let higher = Neighbours { known: true, lower_here: false, higher_here: true, cores: 0b1010 };
+        let apart = Neighbours { known: true, lower_here: false, higher_here: false, cores: 0b1000 };
+        let mut m = CoreMoves::default();
+        assert_eq!(
+            m.after_yield(now, shared, true, higher),
+            CoreMove::Stay,
+            "the higher rank's thread moves, not this"
+        );
+        assert_eq!(m.after_yield(now, shared, true, apart), CoreMove::Stay, "no peer here: another thread ran");
+        assert_eq!(
+            m.after_yield(now, on_time, false, lower),
+            CoreMove::Leave { avoid: 0b1010 },
+            "a lower rank's thread here: leave, whatever the yield or the coin says, for a core no peer runs on"
+        );
+        m.moved(Some(1));
+        assert_eq!(m.after_yield(now, on_time, true, apart), CoreMove::Stay, "alone on the new core");
+        assert_eq!(
+            m.after_yield(now + LEAVE_CORE_EVERY / 2, on_time, false, lower),
+            CoreMove::Stay,
+            "moved a moment ago"
+        );
+        assert_eq!(m.on_check(now + LEAVE_CORE_EVERY / 2, lower), CoreMove::Stay, "nor from a wait's check");
+        assert_eq!(m.on_check(now + LEAVE_CORE_EVERY, higher), CoreMove::Stay);
+        assert_eq!(
+            m.on_check(now + LEAVE_CORE_EVERY, lower),
+            CoreMove::Leave { avoid: 0b1010 },
+            "a wait's check moves too"
+        );
+        // With nobody saying, the yield and the coin decide as before.
+        let mut m = CoreMoves::default();
+        assert_eq!(m.after_yield(now, shared, true, UNKNOWN), CoreMove::Leave { avoid: 0 });
+        assert_eq!(m.on_check(now + LEAVE_CORE_EVERY, UNKNOWN), CoreMove::Stay, "a check moves only for a known peer");
     }
 
     #[test]
@@ -1004,17 +1153,21 @@ mod tests {
         let now = std::time::Instant::now();
         let shared = Duration::from_micros(30);
         let mut m = CoreMoves::default();
-        assert_eq!(m.after_yield(now, shared, true), CoreMove::Leave);
+        assert_eq!(m.after_yield(now, shared, true, UNKNOWN), CoreMove::Leave { avoid: 0 });
         m.moved(Some(1));
         let later = now + Duration::from_micros(50);
         let busy = Duration::from_millis(2);
-        assert_eq!(m.after_yield(later, busy, false), CoreMove::Return(1), "another job holds that core");
-        assert_eq!(m.after_yield(later, busy, true), CoreMove::Stay, "back already");
-        assert_eq!(m.after_yield(later + LEAVE_CORE_EVERY, shared, true), CoreMove::Stay, "no other core for a while");
-        assert_eq!(m.after_yield(later + AFTER_RETURN, shared, true), CoreMove::Leave);
+        assert_eq!(m.after_yield(later, busy, false, UNKNOWN), CoreMove::Return(1), "another job holds that core");
+        assert_eq!(m.after_yield(later, busy, true, UNKNOWN), CoreMove::Stay, "back already");
+        assert_eq!(
+            m.after_yield(later + LEAVE_CORE_EVERY, shared, true, UNKNOWN),
+            CoreMove::Stay,
+            "no other core for a while"
+        );
+        assert_eq!(m.after_yield(later + AFTER_RETURN, shared, true, UNKNOWN), CoreMove::Leave { avoid: 0 });
         // A move that did not happen has nothing to go back to.
         m.moved(None);
-        assert_eq!(m.after_yield(later + AFTER_RETURN, busy, true), CoreMove::Stay);
+        assert_eq!(m.after_yield(later + AFTER_RETURN, busy, true, UNKNOWN), CoreMove::Stay);
     }
 
     #[test]
@@ -1044,19 +1197,33 @@ mod tests {
             let here = || usize::try_from(unsafe { libc::sched_getcpu() }).unwrap();
             // SAFETY: compares two masks this frame owns.
             let unpinned = || unsafe { libc::CPU_EQUAL(&affinity(), &before) };
-            let left = move_core(None);
+            let left = move_core(None, 0);
             assert!(unpinned(), "the mask is what it was: the thread is not pinned");
             if cores > 1 {
                 let left = left.expect("with another core allowed, it moves");
                 assert_ne!(here(), left, "it left core {left}");
-                let from = move_core(Some(left));
+                let from = move_core(Some(left), 0);
                 assert!(unpinned());
                 assert_eq!((here(), from.is_some()), (left, true), "and back to the core it left");
             } else {
                 assert_eq!(left, None, "with one core allowed it stays");
             }
-            assert_eq!(move_core(Some(here())), None, "to the core it is on: no move");
-            assert_eq!(move_core(Some(libc::CPU_SETSIZE as usize)), None, "to a core that does not exist: no move");
+            if cores > 1 {
+                // Avoiding every other core still leaves this one; avoiding none but this one's
+                // neighbour moves elsewhere where there is elsewhere.
+                let start = here();
+                let all_but_here = !0u64 & !(1 << start);
+                assert!(move_core(None, all_but_here).is_some(), "nowhere to avoid to: it moves anyway");
+                assert!(unpinned());
+                let now = here();
+                if cores > 2 && start < 64 && now < 64 {
+                    assert!(move_core(None, 1 << start).is_some());
+                    assert_ne!(here(), start, "it avoided core {start}");
+                    assert!(unpinned());
+                }
+            }
+            assert_eq!(move_core(Some(here()), 0), None, "to the core it is on: no move");
+            assert_eq!(move_core(Some(libc::CPU_SETSIZE as usize), 0), None, "to a core that does not exist: no move");
             assert!(unpinned());
         })
         .join()

@@ -221,6 +221,8 @@ impl crate::work::Progress for Poller {
 
     fn sleep(&self) {
         let Some(inner) = self.0.upgrade() else { return };
+        // A sleeping thread takes no core from a peer's (see `CoreMoves`).
+        inner.quick.neighbours(inner.rank, None);
         let mut p = inner.polls();
         p.sleepers += 1;
         if p.relied_on() {
@@ -242,6 +244,10 @@ impl crate::work::Progress for Poller {
         if let Some(inner) = self.0.upgrade() {
             inner.corks.flush();
         }
+    }
+
+    fn polls_on(&self, core: u32) -> crate::work::Neighbours {
+        self.0.upgrade().map(|inner| inner.quick.neighbours(inner.rank, Some(core))).unwrap_or_default()
     }
 }
 

@@ -63,7 +63,7 @@
 //! (where spinning only delays it), gains nothing from the wait. `COHORT_SHM_QUICK=0` turns
 //! the path off.
 
-use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, OnceLock};
 use std::time::{Duration, Instant};
 
@@ -76,7 +76,7 @@ use super::collective::Request;
 use super::socket::{FastReader, Waited};
 use super::state::{MAX_CHAIN, Payload, QuickEnd, QuickStart};
 use super::{Deferred, Inner};
-use crate::work::Work;
+use crate::work::{Neighbours, Work};
 
 /// How long the submitting thread waits for a peer's frame before handing the work to the
 /// usual path. Two ranks in step send within a microsecond or two of each other; a peer
@@ -122,6 +122,10 @@ pub(crate) struct Gate {
     readers: Box<[OnceLock<Arc<FastReader>>]>,
     /// Whether any is: a group whose frames all go over sockets never tries the path.
     any_reader: AtomicBool,
+    /// The peers in `readers`, in the order they were attached (the first `attached` slots
+    /// are set): [`Gate::neighbours`] goes through these, not through every rank.
+    order: Box<[OnceLock<Rank>]>,
+    attached: AtomicUsize,
     /// When the last work that ended in its submit call started, in nanoseconds after `epoch`,
     /// plus one (0: none yet). What a polling thread's `Polling::last_finished` is, kept apart
     /// so that the path stores a word where it would take the polling state's lock.
@@ -146,6 +150,8 @@ impl Gate {
             handed_off_later: AtomicU64::new(0),
             readers: (0..world_size).map(|_| OnceLock::new()).collect(),
             any_reader: AtomicBool::new(false),
+            order: (0..world_size).map(|_| OnceLock::new()).collect(),
+            attached: AtomicUsize::new(0),
             last_ended: AtomicU64::new(0),
             epoch,
         }
@@ -196,10 +202,41 @@ impl Gate {
 
     /// A shared-memory connection to `peer` was attached: the first is the path's.
     pub(super) fn attach(&self, peer: Rank, reader: &Arc<FastReader>) {
-        if let Some(slot) = self.readers.get(peer.0 as usize) {
-            let _ = slot.set(reader.clone());
+        if let Some(slot) = self.readers.get(peer.0 as usize)
+            && slot.set(reader.clone()).is_ok()
+        {
             self.any_reader.store(true, Ordering::Release);
+            // Attaches come one at a time (each under the group's connection set-up), so the
+            // count is this slot's.
+            let at = self.attached.load(Ordering::Acquire);
+            if let Some(place) = self.order.get(at) {
+                let _ = place.set(peer);
+                self.attached.store(at + 1, Ordering::Release);
+            }
         }
+    }
+
+    /// This rank (`me`)'s polling thread runs on `core` (`None`: it goes to sleep): tell each
+    /// peer on shared memory, and say where theirs run (see
+    /// [`CoreMoves`](crate::work::Neighbours)).
+    pub(super) fn neighbours(&self, me: Rank, core: Option<u32>) -> Neighbours {
+        let mut near = Neighbours::default();
+        let attached = self.attached.load(Ordering::Acquire);
+        for peer in self.order.iter().take(attached).filter_map(OnceLock::get) {
+            let Some(theirs) = self.reader(*peer).and_then(|r| r.cores(core)) else { continue };
+            near.known = true;
+            if Some(theirs) == core {
+                if peer.0 < me.0 {
+                    near.lower_here = true;
+                } else {
+                    near.higher_here = true;
+                }
+            }
+            if theirs < 64 {
+                near.cores |= 1 << theirs;
+            }
+        }
+        near
     }
 
     /// `peer`'s reading side, if its frames come through shared memory.
@@ -286,8 +323,12 @@ pub(super) fn allreduce(inner: &Arc<Inner>, tensors: Vec<Tensor>, op: ReduceOp) 
             Ok(QuickStart::Sent(exchange)) => exchange,
         };
         loop {
-            let waited =
-                held.wait_for(gate.wait(), yields, |header, payload| st.quick_take(&mut exchange, header, payload));
+            let waited = held.wait_for(
+                gate.wait(),
+                yields,
+                |header, payload| st.quick_take(&mut exchange, header, payload),
+                || crate::work::shares_core(&*inner.progress),
+            );
             match waited {
                 Waited::Took if st.quick_more(&exchange) => {
                     drop(held);
@@ -494,6 +535,33 @@ mod tests {
             pg.shutdown();
             counts
         })
+    }
+
+    #[test]
+    fn each_rank_learns_where_the_peers_polling_threads_run_and_who_of_two_on_a_core_moves() {
+        let rt = runtime();
+        let pgs = group(&rt, vec![opts(true); 4]);
+        let near = |r: usize, core: Option<u32>| pgs[r].inner.quick.neighbours(pgs[r].rank(), core);
+        assert!(!near(0, Some(1)).known, "nobody has said yet");
+        // Ranks 1 and 3 on core 1, rank 2 on core 70 (beyond the mask), rank 0 asleep.
+        near(1, Some(1));
+        near(2, Some(70));
+        near(3, Some(1));
+        let n0 = near(0, None);
+        assert_eq!((n0.known, n0.lower_here, n0.higher_here, n0.cores), (true, false, false, 0b10));
+        let n1 = near(1, Some(1));
+        assert_eq!((n1.lower_here, n1.higher_here, n1.cores), (false, true, 0b10), "rank 3 is the one that moves");
+        let n3 = near(3, Some(1));
+        assert_eq!((n3.lower_here, n3.higher_here), (true, false), "rank 1 is lower: rank 3 moves");
+        let n2 = near(2, Some(70));
+        assert_eq!((n2.lower_here, n2.higher_here, n2.cores), (false, false, 0b10));
+        // Rank 3 moved to core 0.
+        near(3, Some(0));
+        let n1 = near(1, Some(1));
+        assert_eq!((n1.lower_here, n1.higher_here, n1.cores), (false, false, 0b01), "only the peers' cores");
+        for pg in pgs {
+            pg.shutdown();
+        }
     }
 
     #[test]

@@ -42,6 +42,8 @@ use tokio::io::{AsyncWrite, Interest};
 use tokio::net::TcpStream;
 
 use cohort_core::protocol::{FrameHeader, FrameKind, HEADER_LEN};
+#[cfg(doc)]
+use cohort_core::shm::Segment;
 use cohort_core::shm::{Consumer, Producer};
 
 use super::link::{Assembler, CloseTally, Inbound, Wire};
@@ -273,6 +275,13 @@ impl FastReader {
     /// ends here. Call with no lock of the group's state held.
     pub(crate) fn finish_held(&self, inner: &Arc<Inner>, last: Inbound, acc: &mut Deferred) {
         self.end(inner, last, acc);
+    }
+
+    /// Over shared memory: tell the peer that this rank's waiting thread runs on `core`
+    /// (`None`: it goes to sleep), and say where the peer's said it runs (see
+    /// [`Segment::poller_core`]).
+    pub(crate) fn cores(&self, core: Option<u32>) -> Option<u32> {
+        self.shm.as_ref()?.cores(core)
     }
 
     /// The peer, if this connection's frames come through shared memory.
@@ -519,6 +528,9 @@ pub(crate) fn readable(readers: &[Arc<FastReader>], sockets: bool) -> impl Itera
 /// A connection's shared-memory rings and what serves them (see the [module docs](self)).
 pub(crate) struct ShmPath {
     incoming: Mutex<Consumer>,
+    /// The segment, to say where this rank's waiting thread runs and to read where the
+    /// peer's does ([`Segment::poller_core`]).
+    link: ShmLink,
     wire: Arc<ShmWire>,
     /// The writer task, waiting for room in the outgoing ring.
     space: Mutex<Option<std::task::Waker>>,
@@ -547,6 +559,11 @@ pub(crate) enum Waited {
     End(Inbound),
 }
 
+/// How long [`Held::wait_for`] spins before it asks whether the peer's waiting thread shares
+/// its core. A peer on a core of its own sends within a microsecond or two of this rank; one
+/// on the same core cannot send at all while this thread spins.
+pub(crate) const SHARED_CORE_CHECK: Duration = Duration::from_micros(4);
+
 /// A shared-memory connection's reading side, held by one thread that waits for one frame
 /// ([`FastReader::hold`]): nobody else reads the ring meanwhile.
 pub(crate) struct Held<'a> {
@@ -562,17 +579,24 @@ impl Held<'_> {
     /// bytes). The frame is released if `take` says it used it; anything else is left where
     /// it is for the usual readers. The header passes the decoder's checks first, exactly as a
     /// drained frame's does.
+    ///
+    /// A spinning wait still empty after [`SHARED_CORE_CHECK`] asks `shares_core` once
+    /// whether the peer's waiting thread runs on this thread's core; if so, each look from
+    /// then on yields it, as where `yields`: spinning there only keeps the peer from sending.
     pub(crate) fn wait_for(
         &mut self,
         wait: std::time::Duration,
-        yields: bool,
+        mut yields: bool,
         mut take: impl FnMut(&FrameHeader, &[u8]) -> bool,
+        shares_core: impl FnOnce() -> bool,
     ) -> Waited {
         let Held { asm, ring, path } = self;
         let mut looks = 0u32;
         // The wall clock, not the runtime's (a paused runtime clock may stand anywhere), read
         // first after a few looks: a peer in step has sent by then, and then it is not read.
         let mut deadline = None;
+        let mut check = Some(shares_core);
+        let mut check_at = None;
         loop {
             // A look at an empty ring is two loads: the frame is seen within a few nanoseconds
             // of its arrival, not after a whole look through the reader's checks.
@@ -613,6 +637,12 @@ impl Held<'_> {
                 if now >= *deadline.get_or_insert(now + wait) {
                     return Waited::Late;
                 }
+                if !yields
+                    && now >= *check_at.get_or_insert(now + SHARED_CORE_CHECK)
+                    && let Some(check) = check.take()
+                {
+                    yields = check();
+                }
             }
             if yields {
                 std::thread::yield_now();
@@ -652,10 +682,18 @@ impl ShmPath {
         let wire = Arc::new(ShmWire { out: Mutex::new(link.segment.producer(link.outgoing())), socket });
         Arc::new(ShmPath {
             incoming: Mutex::new(link.segment.consumer(link.incoming())),
+            link: link.clone(),
             wire,
             space: Mutex::new(None),
             eof: AtomicBool::new(false),
         })
+    }
+
+    /// Tell the peer that this rank's waiting thread runs on `core` (`None`: it sleeps), and
+    /// read where the peer's said it runs.
+    fn cores(&self, core: Option<u32>) -> Option<u32> {
+        self.link.segment.set_poller_core(self.link.incoming(), core);
+        self.link.segment.poller_core(self.link.outgoing())
     }
 
     /// Where senders write.
