@@ -209,13 +209,6 @@ pub(crate) struct Neighbours {
     pub(crate) cores: u64,
 }
 
-impl Neighbours {
-    /// Whether a peer's polling thread runs on this core.
-    fn shared(&self) -> bool {
-        self.lower_here || self.higher_here
-    }
-}
-
 /// How long a polling thread spins between yields, unless its group says otherwise
 /// ([`Progress::yield_every`]): a thread that waits for its core (the peer's, or this rank's
 /// runtime thread, on a host where another job holds a core) gets it within this; a yield that
@@ -244,6 +237,10 @@ fn ran_a_polling_thread(late: Duration) -> bool {
 
 /// The least time between two moves of one thread to another core.
 const LEAVE_CORE_EVERY: Duration = Duration::from_millis(1);
+
+/// The same where the peers say which cores their threads run on ([`Neighbours`]): only
+/// one thread of two moves, so moves cannot chase each other.
+const LEAVE_SHARED_CORE_EVERY: Duration = Duration::from_micros(100);
 
 /// How long a thread that went back to the core it left waits before it tries another.
 const AFTER_RETURN: Duration = Duration::from_secs(1);
@@ -310,7 +307,10 @@ impl CoreMoves {
 
     fn leave_if(&mut self, leave: bool, now: std::time::Instant, near: Neighbours) -> CoreMove {
         if leave && self.next.is_none_or(|next| now >= next) {
-            self.next = Some(now + LEAVE_CORE_EVERY);
+            // Where the peers say where they run, only this thread of the two moves: no
+            // need to wait long before the next move (the kernel may put the thread back
+            // next to its peer when it wakes).
+            self.next = Some(now + if near.known { LEAVE_SHARED_CORE_EVERY } else { LEAVE_CORE_EVERY });
             return CoreMove::Leave { avoid: near.cores };
         }
         CoreMove::Stay
@@ -413,12 +413,11 @@ fn after_yield(now: std::time::Instant, late: Duration, progress: &dyn Progress)
     MOVES.set(moves);
 }
 
-/// For a thread whose wait for a peer's frame has found nothing for a while: whether a peer's
-/// polling thread runs on its core (the wait then yields the core at each look, as spinning
-/// there keeps the peer from sending). Where the peer's rank is the lower, this thread has
-/// moved to another core first ([`CoreMoves`]).
-pub(crate) fn shares_core(progress: &dyn Progress) -> bool {
-    let Some(core) = current_core() else { return false };
+/// For a thread that woke up, or whose wait for a peer's frame has found nothing for a
+/// while: tell the peers which core it runs on, and if a peer of a lower rank says it runs
+/// there too, move to another ([`CoreMoves`]).
+pub(crate) fn check_core(progress: &dyn Progress) {
+    let Some(core) = current_core() else { return };
     let near = progress.polls_on(core);
     if near.lower_here {
         let mut moves = MOVES.get();
@@ -426,7 +425,6 @@ pub(crate) fn shares_core(progress: &dyn Progress) -> bool {
         make_move(&mut moves, decision, progress);
         MOVES.set(moves);
     }
-    near.shared()
 }
 
 /// A coin toss from how late a yield was and this process's id: two ranks' threads toss apart
@@ -792,6 +790,9 @@ impl Work {
         drop(slot);
         if let Some((p, since)) = asleep {
             p.woke(since.elapsed(), polled);
+            // The kernel put the thread where it chose when it woke: maybe on the core of the
+            // peer's polling thread.
+            check_core(&**p);
         }
         outcome
     }
@@ -1130,18 +1131,17 @@ mod tests {
         );
         m.moved(Some(1));
         assert_eq!(m.after_yield(now, on_time, true, apart), CoreMove::Stay, "alone on the new core");
+        let soon = now + LEAVE_SHARED_CORE_EVERY / 2;
+        assert_eq!(m.after_yield(soon, on_time, false, lower), CoreMove::Stay, "moved a moment ago");
+        assert_eq!(m.on_check(soon, lower), CoreMove::Stay, "nor from a check");
+        let later = now + LEAVE_SHARED_CORE_EVERY;
+        assert_eq!(m.on_check(later, higher), CoreMove::Stay);
         assert_eq!(
-            m.after_yield(now + LEAVE_CORE_EVERY / 2, on_time, false, lower),
-            CoreMove::Stay,
-            "moved a moment ago"
-        );
-        assert_eq!(m.on_check(now + LEAVE_CORE_EVERY / 2, lower), CoreMove::Stay, "nor from a wait's check");
-        assert_eq!(m.on_check(now + LEAVE_CORE_EVERY, higher), CoreMove::Stay);
-        assert_eq!(
-            m.on_check(now + LEAVE_CORE_EVERY, lower),
+            m.on_check(later, lower),
             CoreMove::Leave { avoid: 0b1010 },
-            "a wait's check moves too"
+            "a check moves too, and sooner than a coin's move may"
         );
+        assert!(LEAVE_SHARED_CORE_EVERY < LEAVE_CORE_EVERY);
         // With nobody saying, the yield and the coin decide as before.
         let mut m = CoreMoves::default();
         assert_eq!(m.after_yield(now, shared, true, UNKNOWN), CoreMove::Leave { avoid: 0 });

@@ -327,7 +327,7 @@ pub(super) fn allreduce(inner: &Arc<Inner>, tensors: Vec<Tensor>, op: ReduceOp) 
                 gate.wait(),
                 yields,
                 |header, payload| st.quick_take(&mut exchange, header, payload),
-                || crate::work::shares_core(&*inner.progress),
+                || crate::work::check_core(&*inner.progress),
             );
             match waited {
                 Waited::Took if st.quick_more(&exchange) => {

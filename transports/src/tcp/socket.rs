@@ -559,9 +559,9 @@ pub(crate) enum Waited {
     End(Inbound),
 }
 
-/// How long [`Held::wait_for`] spins before it asks whether the peer's waiting thread shares
-/// its core. A peer on a core of its own sends within a microsecond or two of this rank; one
-/// on the same core cannot send at all while this thread spins.
+/// How long [`Held::wait_for`] spins before it yields at each look. A peer in step on a core
+/// of its own sends within a microsecond or two of this rank; one on the same core cannot send
+/// at all while this thread spins.
 pub(crate) const SHARED_CORE_CHECK: Duration = Duration::from_micros(4);
 
 /// A shared-memory connection's reading side, held by one thread that waits for one frame
@@ -580,22 +580,24 @@ impl Held<'_> {
     /// it is for the usual readers. The header passes the decoder's checks first, exactly as a
     /// drained frame's does.
     ///
-    /// A spinning wait still empty after [`SHARED_CORE_CHECK`] asks `shares_core` once
-    /// whether the peer's waiting thread runs on this thread's core; if so, each look from
-    /// then on yields it, as where `yields`: spinning there only keeps the peer from sending.
+    /// A spinning wait still empty after [`SHARED_CORE_CHECK`] calls `slow` once (which
+    /// tells the peer where this thread runs, and moves it if the peer's runs there too),
+    /// and from then on yields the core at each look, as where `yields`: a peer in step would
+    /// have sent by then, and one that shares this core, or waits for it, cannot send while
+    /// this thread spins.
     pub(crate) fn wait_for(
         &mut self,
         wait: std::time::Duration,
         mut yields: bool,
         mut take: impl FnMut(&FrameHeader, &[u8]) -> bool,
-        shares_core: impl FnOnce() -> bool,
+        slow: impl FnOnce(),
     ) -> Waited {
         let Held { asm, ring, path } = self;
         let mut looks = 0u32;
         // The wall clock, not the runtime's (a paused runtime clock may stand anywhere), read
         // first after a few looks: a peer in step has sent by then, and then it is not read.
         let mut deadline = None;
-        let mut check = Some(shares_core);
+        let mut slow = Some(slow);
         let mut check_at = None;
         loop {
             // A look at an empty ring is two loads: the frame is seen within a few nanoseconds
@@ -639,9 +641,10 @@ impl Held<'_> {
                 }
                 if !yields
                     && now >= *check_at.get_or_insert(now + SHARED_CORE_CHECK)
-                    && let Some(check) = check.take()
+                    && let Some(slow) = slow.take()
                 {
-                    yields = check();
+                    slow();
+                    yields = true;
                 }
             }
             if yields {
