@@ -270,7 +270,8 @@ enum CoreMove {
 ///   [`SHARED_CORE_YIELD`], less than [`NON_YIELDING`]) moves it to another core, on the toss
 ///   of a coin ([`coin`]): the thread it shares the core with, the peer's, saw the same and
 ///   decides the same way, and if both moved they would share the other core.
-/// - Either way it moves at most once in [`LEAVE_CORE_EVERY`].
+/// - It moves at most once in [`LEAVE_CORE_EVERY`], or in [`LEAVE_SHARED_CORE_EVERY`] where
+///   the peers say: the kernel may put a thread that wakes back next to its peer.
 /// - The first yield after a move tells whether the new core was a better one. If it ran a
 ///   thread that does not yield (another job holds that core), the thread goes back at once,
 ///   and tries no other core for [`AFTER_RETURN`]: sharing a core with a thread that keeps it
@@ -280,8 +281,10 @@ enum CoreMove {
 ///   another core may be no better.
 #[derive(Debug, Clone, Copy, Default)]
 struct CoreMoves {
-    /// The earliest time it may move again.
-    next: Option<std::time::Instant>,
+    /// When it last left a core.
+    moved: Option<std::time::Instant>,
+    /// After a return: the earliest time it may move again.
+    hold: Option<std::time::Instant>,
     /// The core it left at its last move, until the first yield after it.
     left: Option<usize>,
 }
@@ -293,7 +296,7 @@ impl CoreMoves {
         if let Some(core) = self.left.take()
             && late >= NON_YIELDING
         {
-            self.next = Some(now + AFTER_RETURN);
+            self.hold = Some(now + AFTER_RETURN);
             return CoreMove::Return(core);
         }
         let leave = if near.known { near.lower_here } else { ran_a_polling_thread(late) && heads };
@@ -306,11 +309,12 @@ impl CoreMoves {
     }
 
     fn leave_if(&mut self, leave: bool, now: std::time::Instant, near: Neighbours) -> CoreMove {
-        if leave && self.next.is_none_or(|next| now >= next) {
-            // Where the peers say where they run, only this thread of the two moves: no
-            // need to wait long before the next move (the kernel may put the thread back
-            // next to its peer when it wakes).
-            self.next = Some(now + if near.known { LEAVE_SHARED_CORE_EVERY } else { LEAVE_CORE_EVERY });
+        // Where the peers say where they run, only this thread of the two moves: no need to
+        // wait long since its last move (the kernel may have put it back next to its peer when
+        // it woke), whichever way that move was decided.
+        let every = if near.known { LEAVE_SHARED_CORE_EVERY } else { LEAVE_CORE_EVERY };
+        if leave && self.hold.is_none_or(|until| now >= until) && self.moved.is_none_or(|at| now >= at + every) {
+            self.moved = Some(now);
             return CoreMove::Leave { avoid: near.cores };
         }
         CoreMove::Stay
@@ -377,7 +381,7 @@ fn turns(now: std::time::Instant, every: Duration) -> Duration {
 
 thread_local! {
     /// The calling thread's [`CoreMoves`].
-    static MOVES: std::cell::Cell<CoreMoves> = const { std::cell::Cell::new(CoreMoves { next: None, left: None }) };
+    static MOVES: std::cell::Cell<CoreMoves> = const { std::cell::Cell::new(CoreMoves { moved: None, hold: None, left: None }) };
 }
 
 /// The core the calling thread runs on.
@@ -1142,6 +1146,11 @@ mod tests {
             "a check moves too, and sooner than a coin's move may"
         );
         assert!(LEAVE_SHARED_CORE_EVERY < LEAVE_CORE_EVERY);
+        // A coin's move holds back the next coin's move, not the next known one.
+        let mut m = CoreMoves::default();
+        assert_eq!(m.after_yield(now, shared, true, UNKNOWN), CoreMove::Leave { avoid: 0 });
+        assert_eq!(m.after_yield(now + LEAVE_SHARED_CORE_EVERY, shared, true, UNKNOWN), CoreMove::Stay);
+        assert_eq!(m.on_check(now + LEAVE_SHARED_CORE_EVERY, lower), CoreMove::Leave { avoid: 0b1010 });
         // With nobody saying, the yield and the coin decide as before.
         let mut m = CoreMoves::default();
         assert_eq!(m.after_yield(now, shared, true, UNKNOWN), CoreMove::Leave { avoid: 0 });
