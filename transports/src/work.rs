@@ -391,17 +391,21 @@ fn current_core() -> Option<u32> {
 }
 
 /// Make `decision`, for the calling thread's `moves`; once it has moved, tell the peers.
-fn make_move(moves: &mut CoreMoves, decision: CoreMove, progress: &dyn Progress) {
-    match decision {
-        CoreMove::Stay => return,
-        CoreMove::Leave { avoid } => moves.moved(move_core(None, avoid)),
-        CoreMove::Return(core) => {
-            let _ = move_core(Some(core), 0);
+/// Whether it moved.
+fn make_move(moves: &mut CoreMoves, decision: CoreMove, progress: &dyn Progress) -> bool {
+    let moved = match decision {
+        CoreMove::Stay => return false,
+        CoreMove::Leave { avoid } => {
+            let left = move_core(None, avoid);
+            moves.moved(left);
+            left.is_some()
         }
-    }
+        CoreMove::Return(core) => move_core(Some(core), 0).is_some(),
+    };
     if let Some(core) = current_core() {
         progress.polls_on(core);
     }
+    moved
 }
 
 /// The calling thread's [`CoreMoves`] and [`TakeTurns`], after a periodic yield at `now` that
@@ -419,16 +423,22 @@ fn after_yield(now: std::time::Instant, late: Duration, progress: &dyn Progress)
 
 /// For a thread that woke up, or whose wait for a peer's frame has found nothing for a
 /// while: tell the peers which core it runs on, and if a peer of a lower rank says it runs
-/// there too, move to another ([`CoreMoves`]).
-pub(crate) fn check_core(progress: &dyn Progress) {
-    let Some(core) = current_core() else { return };
+/// there too, move to another ([`CoreMoves`]). Whether a peer's polling thread may share its
+/// core now: one says it does, or none says where it runs (asleep, or woken and not yet
+/// running: spinning would keep it off the core).
+pub(crate) fn check_core(progress: &dyn Progress) -> bool {
+    let Some(core) = current_core() else { return true };
     let near = progress.polls_on(core);
     if near.lower_here {
         let mut moves = MOVES.get();
         let decision = moves.on_check(std::time::Instant::now(), near);
-        make_move(&mut moves, decision, progress);
+        let moved = make_move(&mut moves, decision, progress);
         MOVES.set(moves);
+        if moved {
+            return false;
+        }
     }
+    !near.known || near.lower_here || near.higher_here
 }
 
 /// A coin toss from how late a yield was and this process's id: two ranks' threads toss apart
@@ -796,7 +806,7 @@ impl Work {
             p.woke(since.elapsed(), polled);
             // The kernel put the thread where it chose when it woke: maybe on the core of the
             // peer's polling thread.
-            check_core(&**p);
+            let _ = check_core(&**p);
         }
         outcome
     }
@@ -1054,6 +1064,54 @@ mod tests {
         fn sleep(&self) {}
         fn woke(&self, _time: Duration, _polled: bool) {}
         fn flush(&self) {}
+    }
+
+    /// Says the peers stand as `near` (with the calling thread's core filled in).
+    struct Near(std::sync::Mutex<(Neighbours, Vec<u32>)>);
+
+    impl Progress for Near {
+        fn begin(&self) -> Duration {
+            Duration::ZERO
+        }
+        fn poll(&self, _first: bool) -> Option<bool> {
+            Some(false)
+        }
+        fn stop(&self, _finished: bool) {}
+        fn sleep(&self) {}
+        fn woke(&self, _time: Duration, _polled: bool) {}
+        fn flush(&self) {}
+        fn polls_on(&self, core: u32) -> Neighbours {
+            let mut g = self.0.lock().unwrap();
+            g.1.push(core);
+            g.0
+        }
+    }
+
+    #[test]
+    fn a_check_says_the_core_is_shared_unless_a_peer_says_it_runs_elsewhere_or_this_thread_moved() {
+        std::thread::spawn(|| {
+            let apart = Neighbours { known: true, lower_here: false, higher_here: false, cores: 0 };
+            let higher = Neighbours { known: true, lower_here: false, higher_here: true, cores: 0 };
+            let lower = Neighbours { known: true, lower_here: true, higher_here: false, cores: 0 };
+            for (near, want) in [(UNKNOWN, true), (apart, false), (higher, true)] {
+                let p = Near(std::sync::Mutex::new((near, Vec::new())));
+                assert_eq!(check_core(&p), want, "{near:?}");
+                assert_eq!(p.0.lock().unwrap().1, [current_core().unwrap()], "told the peers its core, once");
+            }
+            // A lower rank's thread here: this one moves where it can, and then does not share.
+            let p = Near(std::sync::Mutex::new((lower, Vec::new())));
+            let before = current_core().unwrap();
+            let shared = check_core(&p);
+            let told = p.0.lock().unwrap().1.clone();
+            if told.len() == 2 {
+                assert!(!shared, "moved: alone now");
+                assert_eq!(told, [before, current_core().unwrap()], "and told the peers its new core");
+            } else {
+                assert!(shared, "no other core to go to");
+            }
+        })
+        .join()
+        .unwrap();
     }
 
     #[test]

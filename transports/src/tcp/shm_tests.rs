@@ -165,32 +165,38 @@ async fn shm_reader(peer: Rank) -> (Arc<FastReader>, Segment, std::net::TcpStrea
 fn wait(reader: &FastReader, within: Duration, take: impl FnMut(&FrameHeader, &[u8]) -> bool) -> (Waited, bool) {
     let mut held = reader.hold().expect("nobody else reads the ring");
     let start = std::time::Instant::now();
-    let waited = held.wait_for(within, false, take, || ());
+    let waited = held.wait_for(within, false, take, || false);
     (waited, start.elapsed() < within)
 }
 
 #[tokio::test]
-async fn a_spinning_wait_that_finds_nothing_for_a_while_says_so_once() {
+async fn a_spinning_wait_that_finds_nothing_for_a_while_asks_once_whether_to_yield() {
     let (reader, seg, _theirs) = shm_reader(Rank(3)).await;
     let asked = std::cell::Cell::new(0);
-    let ask = || asked.set(asked.get() + 1);
-    // Nothing comes: said once, after the check's delay; a wait that yields from the start
-    // does not.
-    for (yields, want) in [(false, 1), (true, 0)] {
+    let ask = |answer: bool| {
+        let asked = &asked;
+        move || {
+            asked.set(asked.get() + 1);
+            answer
+        }
+    };
+    // Nothing comes: asked once, after the check's delay, whatever the answer; a wait that
+    // yields from the start is not asked.
+    for (yields, answer, want) in [(false, false, 1), (false, true, 1), (true, true, 0)] {
         asked.set(0);
         let mut held = reader.hold().unwrap();
         let start = std::time::Instant::now();
-        let waited = held.wait_for(Duration::from_millis(20), yields, |_, _| false, ask);
+        let waited = held.wait_for(Duration::from_millis(20), yields, |_, _| false, ask(answer));
         assert!(matches!(waited, Waited::Late));
         assert!(start.elapsed() >= super::socket::SHARED_CORE_CHECK);
-        assert_eq!(asked.get(), want, "yields {yields}");
+        assert_eq!(asked.get(), want, "yields {yields}, answer {answer}");
     }
     // What has come already is taken without it.
     asked.set(0);
     let mut peer = seg.producer(Direction::FromAcceptor);
     peer.write([&data_frame(7, b"abcd")[..]]).unwrap();
     let mut held = reader.hold().unwrap();
-    let waited = held.wait_for(Duration::from_secs(5), false, |_, _| true, ask);
+    let waited = held.wait_for(Duration::from_secs(5), false, |_, _| true, ask(true));
     assert!(matches!(waited, Waited::Took));
     assert_eq!(asked.get(), 0);
     // Where the peer says it runs, the other side reads.

@@ -559,9 +559,9 @@ pub(crate) enum Waited {
     End(Inbound),
 }
 
-/// How long [`Held::wait_for`] spins before it yields at each look. A peer in step on a core
-/// of its own sends within a microsecond or two of this rank; one on the same core cannot send
-/// at all while this thread spins.
+/// How long [`Held::wait_for`] spins before it asks whether the peer's waiting thread may share
+/// its core. A peer in step on a core of its own sends within a microsecond or two of this
+/// rank; one on the same core cannot send at all while this thread spins.
 pub(crate) const SHARED_CORE_CHECK: Duration = Duration::from_micros(4);
 
 /// A shared-memory connection's reading side, held by one thread that waits for one frame
@@ -581,16 +581,16 @@ impl Held<'_> {
     /// drained frame's does.
     ///
     /// A spinning wait still empty after [`SHARED_CORE_CHECK`] calls `slow` once (which
-    /// tells the peer where this thread runs, and moves it if the peer's runs there too),
-    /// and from then on yields the core at each look, as where `yields`: a peer in step would
-    /// have sent by then, and one that shares this core, or waits for it, cannot send while
-    /// this thread spins.
+    /// tells the peer where this thread runs, moves it if the peer's runs there too, and says
+    /// whether the peer's may share its core); if it may, each look from then on yields the
+    /// core, as where `yields`: a peer that shares this core, or waits for it, cannot send
+    /// while this thread spins.
     pub(crate) fn wait_for(
         &mut self,
         wait: std::time::Duration,
         mut yields: bool,
         mut take: impl FnMut(&FrameHeader, &[u8]) -> bool,
-        slow: impl FnOnce(),
+        slow: impl FnOnce() -> bool,
     ) -> Waited {
         let Held { asm, ring, path } = self;
         let mut looks = 0u32;
@@ -643,8 +643,7 @@ impl Held<'_> {
                     && now >= *check_at.get_or_insert(now + SHARED_CORE_CHECK)
                     && let Some(slow) = slow.take()
                 {
-                    slow();
-                    yields = true;
+                    yields = slow();
                 }
             }
             if yields {
