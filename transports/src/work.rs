@@ -805,8 +805,10 @@ impl Work {
         if let Some((p, since)) = asleep {
             p.woke(since.elapsed(), polled);
             // The kernel put the thread where it chose when it woke: maybe on the core of the
-            // peer's polling thread.
-            let _ = check_core(&**p);
+            // peer's polling thread. (Where ranks outnumber cores, moving helps nobody.)
+            if !p.yield_every().is_zero() {
+                let _ = check_core(&**p);
+            }
         }
         outcome
     }
