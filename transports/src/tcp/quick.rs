@@ -44,7 +44,12 @@
 //! The wait spins where the rank has a core of its own. On a host with more ranks than cores
 //! ([`TcpOptions::oversubscribed`](super::TcpOptions::oversubscribed)) each look that finds
 //! nothing yields the core, as MPI does there: the peer the thread waits for may be the thread
-//! that needs it.
+//! that needs it. A spinning wait that has found nothing for
+//! [`SHARED_CORE_CHECK`](super::socket::SHARED_CORE_CHECK) tells the peers which core it runs
+//! on and reads where theirs run (moving off a lower rank's core, see
+//! [`CoreMoves`](crate::work::Neighbours)), and yields at each look from then on if a peer's
+//! thread may share its core: two ranks' threads the kernel put on one core (after a sleep,
+//! say) would otherwise take turns there, each wait running out.
 //!
 //! Anything else goes to the one state machine: a frame that does not come in time, any other
 //! frame at the read position, or a next peer's ring read by another thread hands the work off
@@ -122,8 +127,9 @@ pub(crate) struct Gate {
     readers: Box<[OnceLock<Arc<FastReader>>]>,
     /// Whether any is: a group whose frames all go over sockets never tries the path.
     any_reader: AtomicBool,
-    /// The peers in `readers`, in the order they were attached (the first `attached` slots
-    /// are set): [`Gate::neighbours`] goes through these, not through every rank.
+    /// The peers in `readers`, in the order they were attached (the first `attached` places
+    /// are taken, and set right after): [`Gate::neighbours`] goes through these, not through
+    /// every rank.
     order: Box<[OnceLock<Rank>]>,
     attached: AtomicUsize,
     /// When the last work that ended in its submit call started, in nanoseconds after `epoch`,
@@ -206,12 +212,11 @@ impl Gate {
             && slot.set(reader.clone()).is_ok()
         {
             self.any_reader.store(true, Ordering::Release);
-            // Attaches come one at a time (each under the group's connection set-up), so the
-            // count is this slot's.
-            let at = self.attached.load(Ordering::Acquire);
+            // Peers attach from several tasks at once: each takes a place of its own (one a
+            // reader finds not yet set is skipped).
+            let at = self.attached.fetch_add(1, Ordering::AcqRel);
             if let Some(place) = self.order.get(at) {
                 let _ = place.set(peer);
-                self.attached.store(at + 1, Ordering::Release);
             }
         }
     }
