@@ -19,8 +19,10 @@ enum Op {
     RequestData,
     /// For a write of this many bytes.
     RequestSpace(u16),
-    /// The peer scribbles: field 0 tail, 1 head, 2 want_data, 3 want_space, 4 box_head, of
-    /// either ring.
+    /// The consumer says where its waiting thread runs (`None`: it sleeps).
+    PollerCore(Option<u32>),
+    /// The peer scribbles: field 0 tail, 1 head, 2 want_data, 3 want_space, 4 box_head, 5
+    /// poller_core, of either ring.
     Scribble {
         ring: bool,
         field: u8,
@@ -64,6 +66,8 @@ fuzz_target!(|bytes: &[u8]| {
     let mut c = seg.consumer(Direction::FromCreator);
     let (mut sent, mut got) = (Vec::new(), Vec::new());
     let mut scribbled = false;
+    // What each ring's poller core should read (the consumer's word, unless the peer wrote it).
+    let mut cores: [Option<Option<u32>>; 2] = [Some(None), Some(None)];
     let mut buf = vec![0u8; u16::MAX as usize];
     for (i, op) in ops.into_iter().enumerate() {
         match op {
@@ -106,17 +110,32 @@ fuzz_target!(|bytes: &[u8]| {
             Op::RequestSpace(want) => {
                 let _ = p.request_space(want as usize);
             }
+            Op::PollerCore(core) => {
+                seg.set_poller_core(Direction::FromCreator, core);
+                cores[0] = Some(core.map(|c| c.min(u32::MAX - 1)));
+            }
             Op::Scribble { ring, field, value } => {
                 let dir = if ring { Direction::FromAcceptor } else { Direction::FromCreator };
                 // The peer's view: its own producer/consumer over the same memory, moved by
                 // whole values through the only fields the layout has.
-                seg.scribble(dir, field % 5, value);
-                scribbled |= !ring && matches!(field % 5, 0 | 1 | 4);
+                seg.scribble(dir, field % 6, value);
+                scribbled |= !ring && matches!(field % 6, 0 | 1 | 4);
+                if field % 6 == 5 {
+                    cores[usize::from(ring)] = None;
+                }
             }
             Op::ScribbleBox { ring, word, value } => {
                 let dir = if ring { Direction::FromAcceptor } else { Direction::FromCreator };
                 seg.scribble_box(dir, word, value);
                 scribbled |= !ring;
+            }
+        }
+        // Any word reads as a core or none, and the consumer's own word reads back as written:
+        // nothing else touches it.
+        for (k, dir) in [Direction::FromCreator, Direction::FromAcceptor].into_iter().enumerate() {
+            let core = seg.poller_core(dir);
+            if let Some(want) = cores[k] {
+                assert_eq!(core, want, "ring {k}'s poller core");
             }
         }
         // The spinning reader's quick look reads the same memory a hostile peer writes.
