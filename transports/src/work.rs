@@ -190,6 +190,11 @@ pub(crate) trait Progress: Send + Sync {
         let _ = core;
         Neighbours::default()
     }
+    /// The core a polling thread of this rank belongs on, where it has one and no peer says
+    /// where its own runs (see [`CoreMoves`]): a wait starts there.
+    fn home(&self) -> Option<usize> {
+        None
+    }
 }
 
 /// Where the polling threads of a rank's peers run, as they said last (over shared memory:
@@ -207,6 +212,32 @@ pub(crate) struct Neighbours {
     /// The cores (those below 64) the peers run on, one bit each: a thread that leaves its
     /// core goes to another one when it can.
     pub(crate) cores: u64,
+    /// Where no peer says where it runs: the calling thread against its rank's own core, if it
+    /// has one ([`TcpOptions::home_core`](crate::tcp::TcpOptions::home_core)).
+    pub(crate) home: Home,
+}
+
+/// A polling thread against its rank's own core (see [`CoreMoves`]).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub(crate) enum Home {
+    /// It has none.
+    #[default]
+    None,
+    /// It runs there.
+    Here,
+    /// It runs elsewhere; that core.
+    Away(usize),
+}
+
+impl Home {
+    /// A thread on `core` whose rank's own core is `home`.
+    pub(crate) fn of(home: Option<usize>, core: u32) -> Home {
+        match home {
+            Some(home) if usize::try_from(core).is_ok_and(|c| c == home) => Home::Here,
+            Some(home) => Home::Away(home),
+            None => Home::None,
+        }
+    }
 }
 
 /// How long a polling thread spins between yields, unless its group says otherwise
@@ -255,6 +286,8 @@ enum CoreMove {
     },
     /// Back to this core, the one it left.
     Return(usize),
+    /// To this core, its rank's own.
+    Home(usize),
 }
 
 /// A polling thread's moves between cores (see [`SHARED_CORE_YIELD`]), one per thread.
@@ -266,12 +299,19 @@ enum CoreMove {
 ///   core, the higher rank's leaves it, for a core no peer runs on where there is one; the
 ///   lower rank's stays. Exactly one of the two moves, at once, and never onto the other's
 ///   core. A late yield with no peer on the core ran some other thread: it moves nobody.
-/// - Where nobody says: a yield that ran a polling thread (late by more than
-///   [`SHARED_CORE_YIELD`], less than [`NON_YIELDING`]) moves it to another core, on the toss
-///   of a coin ([`coin`]): the thread it shares the core with, the peer's, saw the same and
-///   decides the same way, and if both moved they would share the other core.
-/// - It moves at most once in [`LEAVE_CORE_EVERY`], or in [`LEAVE_SHARED_CORE_EVERY`] where
-///   the peers say: the kernel may put a thread that wakes back next to its peer.
+/// - Where nobody says, but each of the host's ranks has a core of its own ([`Home`]): a yield
+///   that ran a polling thread (late by more than [`SHARED_CORE_YIELD`], less than
+///   [`NON_YIELDING`]) sends the thread to its own core if it is elsewhere, and leaves it
+///   where it is if it is there: of two ranks' threads on one core, exactly the one away from
+///   home moves, and not onto another rank's core. A thread that wakes, or whose wait over
+///   shared memory has been empty for a while, goes to its own core too: the kernel puts a
+///   thread that wakes where it likes, often next to the peer's.
+/// - Where nothing tells: such a yield moves it to another core, on the toss of a coin
+///   ([`coin`]): the thread it shares the core with, the peer's, saw the same and decides the
+///   same way, and if both moved they would share the other core.
+/// - It moves at most once in [`LEAVE_CORE_EVERY`] on a coin, or in [`LEAVE_SHARED_CORE_EVERY`]
+///   where only one of the two threads moves: the kernel may put a thread that wakes back next
+///   to its peer.
 /// - The first yield after a move tells whether the new core was a better one. If it ran a
 ///   thread that does not yield (another job holds that core), the thread goes back at once,
 ///   and tries no other core for [`AFTER_RETURN`]: sharing a core with a thread that keeps it
@@ -299,13 +339,24 @@ impl CoreMoves {
             self.hold = Some(now + AFTER_RETURN);
             return CoreMove::Return(core);
         }
-        let leave = if near.known { near.lower_here } else { ran_a_polling_thread(late) && heads };
-        self.leave_if(leave, now, near)
+        if near.known {
+            return self.leave_if(near.lower_here, now, near);
+        }
+        match near.home {
+            Home::None => self.leave_if(ran_a_polling_thread(late) && heads, now, near),
+            // The other thread is the one away from its core.
+            Home::Here => CoreMove::Stay,
+            Home::Away(core) => self.go_home(ran_a_polling_thread(late), core, now),
+        }
     }
 
-    /// When a wait at `now` found a peer's polling thread `near` (no yield to judge by).
+    /// When a thread woke at `now`, or its wait found nothing for a while, the peers' threads
+    /// being `near` (no yield to judge by).
     fn on_check(&mut self, now: std::time::Instant, near: Neighbours) -> CoreMove {
-        self.leave_if(near.lower_here, now, near)
+        match near.home {
+            Home::Away(core) if !near.known => self.go_home(true, core, now),
+            _ => self.leave_if(near.lower_here, now, near),
+        }
     }
 
     fn leave_if(&mut self, leave: bool, now: std::time::Instant, near: Neighbours) -> CoreMove {
@@ -313,11 +364,24 @@ impl CoreMoves {
         // wait long since its last move (the kernel may have put it back next to its peer when
         // it woke), whichever way that move was decided.
         let every = if near.known { LEAVE_SHARED_CORE_EVERY } else { LEAVE_CORE_EVERY };
-        if leave && self.hold.is_none_or(|until| now >= until) && self.moved.is_none_or(|at| now >= at + every) {
+        if leave && self.may_move(now, every) {
             self.moved = Some(now);
             return CoreMove::Leave { avoid: near.cores };
         }
         CoreMove::Stay
+    }
+
+    fn go_home(&mut self, go: bool, core: usize, now: std::time::Instant) -> CoreMove {
+        // Only the thread away from its core moves: as where the peers say.
+        if go && self.may_move(now, LEAVE_SHARED_CORE_EVERY) {
+            self.moved = Some(now);
+            return CoreMove::Home(core);
+        }
+        CoreMove::Stay
+    }
+
+    fn may_move(&self, now: std::time::Instant, every: Duration) -> bool {
+        self.hold.is_none_or(|until| now >= until) && self.moved.is_none_or(|at| now >= at + every)
     }
 
     /// It left `core` (`None`: it could not move).
@@ -400,6 +464,11 @@ fn make_move(moves: &mut CoreMoves, decision: CoreMove, progress: &dyn Progress)
             moves.moved(left);
             left.is_some()
         }
+        CoreMove::Home(core) => {
+            let left = move_core(Some(core), 0);
+            moves.moved(left);
+            left.is_some()
+        }
         CoreMove::Return(core) => move_core(Some(core), 0).is_some(),
     };
     if let Some(core) = current_core() {
@@ -423,13 +492,14 @@ fn after_yield(now: std::time::Instant, late: Duration, progress: &dyn Progress)
 
 /// For a thread that woke up, or whose wait for a peer's frame has found nothing for a
 /// while: tell the peers which core it runs on, and if a peer of a lower rank says it runs
-/// there too, move to another ([`CoreMoves`]). Whether a peer's polling thread may share its
+/// there too, move to another; where no peer says, go to the rank's own core if it has one
+/// and runs elsewhere ([`CoreMoves`]). Whether a peer's polling thread may share its
 /// core now: one says it does, or none says where it runs (asleep, or woken and not yet
 /// running: spinning would keep it off the core).
 pub(crate) fn check_core(progress: &dyn Progress) -> bool {
     let Some(core) = current_core() else { return true };
     let near = progress.polls_on(core);
-    if near.lower_here {
+    if near.lower_here || (!near.known && matches!(near.home, Home::Away(_))) {
         let mut moves = MOVES.get();
         let decision = moves.on_check(std::time::Instant::now(), near);
         let moved = make_move(&mut moves, decision, progress);
@@ -439,6 +509,18 @@ pub(crate) fn check_core(progress: &dyn Progress) -> bool {
         }
     }
     !near.known || near.lower_here || near.higher_here
+}
+
+/// At the start of a wait: a thread away from its rank's own core `home` goes there
+/// ([`CoreMoves`]), before the peer's thread, which may be on the same core, needs it.
+fn go_home(home: usize, progress: &dyn Progress) {
+    if current_core().is_none_or(|core| core as usize == home) {
+        return;
+    }
+    let mut moves = MOVES.get();
+    let decision = moves.go_home(true, home, std::time::Instant::now());
+    make_move(&mut moves, decision, progress);
+    MOVES.set(moves);
 }
 
 /// A coin toss from how late a yield was and this process's id: two ranks' threads toss apart
@@ -488,6 +570,29 @@ fn move_core(to: Option<usize>, avoid: u64) -> Option<usize> {
         }
         libc::sched_setaffinity(0, size, &allowed);
         Some(here)
+    }
+}
+
+/// The `slot`-th core the calling thread may run on, where it may run on every core of the
+/// host (two or more) and there are more than `slot` of them: then each of the host's ranks,
+/// started alike, gets a core of its own from its `LOCAL_RANK` (see
+/// [`TcpOptions::home_core`](crate::tcp::TcpOptions::home_core)). A process kept to some
+/// cores by its launcher gets none: its peers' masks may differ from its own.
+pub(crate) fn home_core(slot: usize) -> Option<usize> {
+    let size = std::mem::size_of::<libc::cpu_set_t>();
+    // SAFETY: plain queries, the mask owned by this frame and of its true size; every core
+    // index is below the mask's size.
+    unsafe {
+        let mut allowed: libc::cpu_set_t = std::mem::zeroed();
+        if libc::sched_getaffinity(0, size, &mut allowed) != 0 {
+            return None;
+        }
+        let count = usize::try_from(libc::CPU_COUNT(&allowed)).ok()?;
+        let online = usize::try_from(libc::sysconf(libc::_SC_NPROCESSORS_ONLN)).ok()?;
+        if count < 2 || count != online || slot >= count {
+            return None;
+        }
+        (0..libc::CPU_SETSIZE as usize).filter(|&c| libc::CPU_ISSET(c, &allowed)).nth(slot)
     }
 }
 
@@ -737,6 +842,9 @@ impl Work {
         }
         let budget = progress.begin();
         let yield_every = progress.yield_every();
+        if let Some(home) = progress.home() {
+            go_home(home, &**progress);
+        }
         let start = std::time::Instant::now();
         // A zero budget still looks once: what the thread waits for has often arrived.
         let mut spent = !budget.is_zero();
@@ -1092,9 +1200,9 @@ mod tests {
     #[test]
     fn a_check_says_the_core_is_shared_unless_a_peer_says_it_runs_elsewhere_or_this_thread_moved() {
         std::thread::spawn(|| {
-            let apart = Neighbours { known: true, lower_here: false, higher_here: false, cores: 0 };
-            let higher = Neighbours { known: true, lower_here: false, higher_here: true, cores: 0 };
-            let lower = Neighbours { known: true, lower_here: true, higher_here: false, cores: 0 };
+            let apart = Neighbours { known: true, lower_here: false, higher_here: false, cores: 0, home: Home::None };
+            let higher = Neighbours { known: true, lower_here: false, higher_here: true, cores: 0, home: Home::None };
+            let lower = Neighbours { known: true, lower_here: true, higher_here: false, cores: 0, home: Home::None };
             for (near, want) in [(UNKNOWN, true), (apart, false), (higher, true)] {
                 let p = Near(std::sync::Mutex::new((near, Vec::new())));
                 assert_eq!(check_core(&p), want, "{near:?}");
@@ -1173,16 +1281,17 @@ mod tests {
     }
 
     /// No peer says where its thread runs.
-    const UNKNOWN: Neighbours = Neighbours { known: false, lower_here: false, higher_here: false, cores: 0 };
+    const UNKNOWN: Neighbours =
+        Neighbours { known: false, lower_here: false, higher_here: false, cores: 0, home: Home::None };
 
     #[test]
     fn where_the_peers_say_they_run_the_higher_rank_of_two_on_a_core_moves_and_nobody_else() {
         let now = std::time::Instant::now();
         let (on_time, shared) = (Duration::from_micros(1), Duration::from_micros(30));
         // This thread runs on core 1; the peers on cores 1 and 3.
-        let lower = Neighbours { known: true, lower_here: true, higher_here: false, cores: 0b1010 };
-        let higher = Neighbours { known: true, lower_here: false, higher_here: true, cores: 0b1010 };
-        let apart = Neighbours { known: true, lower_here: false, higher_here: false, cores: 0b1000 };
+        let lower = Neighbours { known: true, lower_here: true, higher_here: false, cores: 0b1010, home: Home::None };
+        let higher = Neighbours { known: true, lower_here: false, higher_here: true, cores: 0b1010, home: Home::None };
+        let apart = Neighbours { known: true, lower_here: false, higher_here: false, cores: 0b1000, home: Home::None };
         let mut m = CoreMoves::default();
         assert_eq!(
             m.after_yield(now, shared, true, higher),
@@ -1217,6 +1326,119 @@ mod tests {
         let mut m = CoreMoves::default();
         assert_eq!(m.after_yield(now, shared, true, UNKNOWN), CoreMove::Leave { avoid: 0 });
         assert_eq!(m.on_check(now + LEAVE_CORE_EVERY, UNKNOWN), CoreMove::Stay, "a check moves only for a known peer");
+    }
+
+    #[test]
+    fn where_each_rank_has_a_core_the_thread_away_from_its_own_goes_there_and_the_other_stays() {
+        let now = std::time::Instant::now();
+        let (on_time, shared, busy) = (Duration::from_micros(1), Duration::from_micros(30), Duration::from_millis(2));
+        let at = |home| Neighbours { home, ..UNKNOWN };
+        assert_eq!(Home::of(Some(1), 1), Home::Here);
+        assert_eq!(Home::of(Some(1), 0), Home::Away(1));
+        assert_eq!(Home::of(None, 0), Home::None);
+        let mut m = CoreMoves::default();
+        for heads in [false, true] {
+            assert_eq!(m.after_yield(now, shared, heads, at(Home::Here)), CoreMove::Stay, "at home: the other moves");
+            assert_eq!(m.after_yield(now, on_time, heads, at(Home::Away(1))), CoreMove::Stay, "the core is its own");
+            assert_eq!(m.after_yield(now, busy, heads, at(Home::Away(1))), CoreMove::Stay, "a busy thread ran");
+        }
+        assert_eq!(
+            m.after_yield(now, shared, false, at(Home::Away(1))),
+            CoreMove::Home(1),
+            "another polling thread on its core, away from home: home, whatever the coin"
+        );
+        m.moved(Some(0));
+        let soon = now + LEAVE_SHARED_CORE_EVERY / 2;
+        assert_eq!(m.after_yield(soon, shared, true, at(Home::Away(1))), CoreMove::Stay, "moved a moment ago");
+        assert_eq!(m.on_check(soon, at(Home::Away(1))), CoreMove::Stay);
+        let later = now + LEAVE_SHARED_CORE_EVERY;
+        assert_eq!(m.on_check(later, at(Home::Here)), CoreMove::Stay);
+        assert_eq!(m.on_check(later, at(Home::Away(1))), CoreMove::Home(1), "woke elsewhere: home");
+        // Home holds another job's busy thread: back to where it came from, for a while.
+        m.moved(Some(0));
+        assert_eq!(m.after_yield(later, busy, true, at(Home::Here)), CoreMove::Return(0));
+        let hold = later + AFTER_RETURN / 2;
+        assert_eq!(m.on_check(hold, at(Home::Away(1))), CoreMove::Stay, "not home again so soon");
+        assert_eq!(m.after_yield(hold, shared, true, at(Home::Away(1))), CoreMove::Stay);
+        assert_eq!(m.on_check(later + AFTER_RETURN, at(Home::Away(1))), CoreMove::Home(1));
+        // Where a peer says where its thread runs, that decides and the home does not.
+        let lower = Neighbours { known: true, lower_here: true, higher_here: false, cores: 0b10, home: Home::Here };
+        let higher = Neighbours { known: true, lower_here: false, higher_here: true, cores: 0b1, home: Home::Away(1) };
+        let mut m = CoreMoves::default();
+        assert_eq!(m.after_yield(now, shared, false, higher), CoreMove::Stay);
+        assert_eq!(m.on_check(now, higher), CoreMove::Stay);
+        assert_eq!(m.on_check(now, lower), CoreMove::Leave { avoid: 0b10 });
+    }
+
+    #[test]
+    fn a_rank_has_a_core_of_its_own_only_where_it_may_run_on_every_core() {
+        std::thread::spawn(|| {
+            let before = affinity();
+            // SAFETY: reads a mask this frame owns, and a plain query.
+            let (count, online) =
+                unsafe { (libc::CPU_COUNT(&before) as usize, libc::sysconf(libc::_SC_NPROCESSORS_ONLN) as usize) };
+            // SAFETY: reads a mask this frame owns.
+            let allowed: Vec<usize> =
+                (0..libc::CPU_SETSIZE as usize).filter(|&c| unsafe { libc::CPU_ISSET(c, &before) }).collect();
+            if count == online && count > 1 {
+                for slot in 0..count {
+                    assert_eq!(home_core(slot), Some(allowed[slot]), "slot {slot} of {allowed:?}");
+                }
+                assert_eq!(home_core(count), None, "more ranks than cores: no core each");
+                // Kept to one core by its launcher: its peers' masks are not known.
+                assert_eq!(keep_to_core(1), Some(allowed[1]));
+                assert_eq!(home_core(0), None, "a process kept to some cores has no home");
+            } else {
+                assert_eq!(home_core(0), None, "this process may not use every core");
+            }
+        })
+        .join()
+        .unwrap();
+    }
+
+    #[test]
+    fn a_wait_away_from_its_ranks_core_starts_there() {
+        std::thread::spawn(|| {
+            let before = affinity();
+            // SAFETY: reads a mask this frame owns.
+            let allowed: Vec<usize> =
+                (0..libc::CPU_SETSIZE as usize).filter(|&c| unsafe { libc::CPU_ISSET(c, &before) }).collect();
+            let [first, second, ..] = allowed[..] else { return };
+            // SAFETY: compares two masks this frame owns.
+            let unpinned = || unsafe { libc::CPU_EQUAL(&affinity(), &before) };
+            let restore = || {
+                // SAFETY: sets the calling thread's mask to one this frame owns, of its true size.
+                assert_eq!(unsafe { libc::sched_setaffinity(0, std::mem::size_of::<libc::cpu_set_t>(), &before) }, 0);
+            };
+            // At home (kept there for the test, so that the kernel cannot move it meanwhile):
+            // nothing to do, nothing said.
+            assert_eq!(keep_to_core(0), Some(first));
+            let p = Near(std::sync::Mutex::new((UNKNOWN, Vec::new())));
+            go_home(first, &p);
+            assert!(p.0.lock().unwrap().1.is_empty(), "at home: no move");
+            assert_eq!(MOVES.get().moved, None);
+            restore();
+            // Elsewhere: it goes there, is not kept there, and says where it runs now. (The
+            // kernel may move the thread between the test's look and the wait's: it tries
+            // again then.)
+            // SAFETY: a plain call about the calling thread.
+            let here = || usize::try_from(unsafe { libc::sched_getcpu() }).unwrap();
+            let moved = (0..20).find_map(|_| {
+                MOVES.set(CoreMoves::default());
+                let from = here();
+                let home = if from == first { second } else { first };
+                let p = Near(std::sync::Mutex::new((UNKNOWN, Vec::new())));
+                go_home(home, &p);
+                let told = p.0.lock().unwrap().1.len();
+                MOVES.get().left.map(|left| (left, home, told))
+            });
+            let (left, home, told) = moved.expect("a thread away from its core moves there");
+            assert_ne!(left, home, "it left another core");
+            assert_eq!(told, 1, "and said where it runs, once");
+            assert!(unpinned(), "not kept there");
+        })
+        .join()
+        .unwrap();
     }
 
     #[test]

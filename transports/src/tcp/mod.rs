@@ -136,6 +136,12 @@ pub(crate) struct Inner {
 /// meanwhile, gives up in turn, and the two ranks take turns sleeping, each wake-up taking
 /// longer than the setting). Such a sleep doubles the time, up to that cap; a longer sleep
 /// halves it, down to the setting. A work that ends while its thread polls changes nothing.
+///
+/// It starts at the cap. A job's first waits are where its ranks are least in step: a rank
+/// that slept in the barrier before the first collective wakes 50–300 µs after its peer on a
+/// virtual machine, and a peer that gave up after the setting slept in turn, each sleep
+/// costing both ranks a wake-up, until four short sleeps had doubled the time to where it no
+/// longer slept (`docs/performance.md`, "The first 500 over TCP: sleeps and a shared core").
 #[derive(Debug)]
 pub(crate) struct Polling {
     active: usize,
@@ -147,7 +153,7 @@ pub(crate) struct Polling {
 
 impl Polling {
     pub(crate) fn new(base: std::time::Duration) -> Self {
-        Polling { active: 0, sleepers: 0, last_finished: None, base, budget: base }
+        Polling { active: 0, sleepers: 0, last_finished: None, base, budget: base * MAX_POLL_FACTOR }
     }
 
     fn adapt(&mut self, slept: std::time::Duration) {
@@ -180,34 +186,39 @@ impl Polling {
 }
 
 /// [`Inner`]'s side of [`crate::work::Progress`], with the group's yield interval (see
-/// [`TcpOptions::oversubscribed`]), fixed for its life.
-pub(crate) struct Poller(pub(crate) std::sync::Weak<Inner>, pub(crate) std::time::Duration);
+/// [`TcpOptions::oversubscribed`]) and the rank's own core (see [`TcpOptions::home_core`]),
+/// fixed for its life.
+pub(crate) struct Poller {
+    inner: std::sync::Weak<Inner>,
+    yield_every: std::time::Duration,
+    home: Option<usize>,
+}
 
 impl Poller {
     pub(crate) fn new(inner: std::sync::Weak<Inner>, opts: &TcpOptions) -> Poller {
         let yield_every = if opts.oversubscribed { std::time::Duration::ZERO } else { crate::work::YIELD_EVERY };
-        Poller(inner, yield_every)
+        Poller { inner, yield_every, home: opts.home_core.and_then(crate::work::home_core) }
     }
 }
 
 impl crate::work::Progress for Poller {
     fn begin(&self) -> std::time::Duration {
-        let Some(inner) = self.0.upgrade() else { return std::time::Duration::ZERO };
+        let Some(inner) = self.inner.upgrade() else { return std::time::Duration::ZERO };
         let mut p = inner.polls();
         p.active += 1;
         p.budget
     }
 
     fn yield_every(&self) -> std::time::Duration {
-        self.1
+        self.yield_every
     }
 
     fn poll(&self, first: bool) -> Option<bool> {
-        self.0.upgrade().and_then(|inner| inner.progress(first))
+        self.inner.upgrade().and_then(|inner| inner.progress(first))
     }
 
     fn stop(&self, finished: bool) {
-        let Some(inner) = self.0.upgrade() else { return };
+        let Some(inner) = self.inner.upgrade() else { return };
         let mut p = inner.polls();
         p.active = p.active.saturating_sub(1);
         if finished {
@@ -220,7 +231,7 @@ impl crate::work::Progress for Poller {
     }
 
     fn sleep(&self) {
-        let Some(inner) = self.0.upgrade() else { return };
+        let Some(inner) = self.inner.upgrade() else { return };
         // A sleeping thread takes no core from a peer's (see `CoreMoves`).
         inner.quick.neighbours(inner.rank, None);
         let mut p = inner.polls();
@@ -232,7 +243,7 @@ impl crate::work::Progress for Poller {
     }
 
     fn woke(&self, time: std::time::Duration, polled: bool) {
-        let Some(inner) = self.0.upgrade() else { return };
+        let Some(inner) = self.inner.upgrade() else { return };
         let mut p = inner.polls();
         p.sleepers = p.sleepers.saturating_sub(1);
         if polled {
@@ -241,13 +252,23 @@ impl crate::work::Progress for Poller {
     }
 
     fn flush(&self) {
-        if let Some(inner) = self.0.upgrade() {
+        if let Some(inner) = self.inner.upgrade() {
             inner.corks.flush();
         }
     }
 
     fn polls_on(&self, core: u32) -> crate::work::Neighbours {
-        self.0.upgrade().map(|inner| inner.quick.neighbours(inner.rank, Some(core))).unwrap_or_default()
+        let Some(inner) = self.inner.upgrade() else { return crate::work::Neighbours::default() };
+        let mut near = inner.quick.neighbours(inner.rank, Some(core));
+        if !near.known {
+            near.home = crate::work::Home::of(self.home, core);
+        }
+        near
+    }
+
+    fn home(&self) -> Option<usize> {
+        let inner = self.inner.upgrade()?;
+        self.home.filter(|_| !inner.quick.any_reader())
     }
 }
 
@@ -864,8 +885,12 @@ mod tests {
     fn the_polling_time_doubles_after_short_sleeps_and_halves_after_long_ones_within_bounds() {
         let base = Duration::from_micros(50);
         let mut p = Polling::new(base);
+        assert_eq!(p.budget, base * MAX_POLL_FACTOR, "it starts at the cap");
+        p.adapt(base * MAX_POLL_FACTOR);
+        p.adapt(base * MAX_POLL_FACTOR);
+        assert_eq!(p.budget, base * MAX_POLL_FACTOR / 4, "sleeps as long as the cap halve it");
         p.adapt(base * 4);
-        assert_eq!(p.budget, base * 2, "a sleep shorter than the cap doubles it");
+        assert_eq!(p.budget, base * MAX_POLL_FACTOR / 2, "a sleep shorter than the cap doubles it");
         for _ in 0..10 {
             p.adapt(Duration::ZERO);
         }

@@ -74,6 +74,16 @@ pub struct TcpOptions {
     /// run where the kernel puts them, as do the caller's threads always. Set from the
     /// environment when `oversubscribed`; `COHORT_PIN_IO_THREADS=0` turns it off.
     pub io_core: Option<usize>,
+    /// Where the host's ranks have a core each (`LOCAL_WORLD_SIZE` of at least 2, and at most
+    /// the cores): this rank's `LOCAL_RANK`, the core (counted round the cores this process may
+    /// use) its polling thread goes to when it finds another polling thread on its own core or
+    /// wakes on another, so that of two ranks' threads on one core exactly one leaves, and for a
+    /// core of its own. It is never kept there: the kernel may move it as it likes. Used where
+    /// no peer says where its thread runs (peers over sockets: see
+    /// `crate::work::Neighbours`), and only where this process may use every core of the host,
+    /// so that the ranks' cores differ (`crate::work::home_core`). `None`: a coin decides which
+    /// of the two moves.
+    pub home_core: Option<usize>,
     /// Worker threads of the tokio runtime that [`init_process_group`](super::init_process_group)
     /// builds for the group: they run the reader, writer and timer tasks (a group made with
     /// `ProcessGroup::connect` runs on the caller's runtime and ignores this). One is enough
@@ -137,6 +147,7 @@ impl Default for TcpOptions {
             busy_poll: Duration::from_micros(50),
             oversubscribed: false,
             io_core: None,
+            home_core: None,
             io_threads: 1,
             trace_buffer_size: 2000,
             dump_prefix: None,
@@ -224,9 +235,12 @@ impl TcpOptions {
         let local = v.u64(env::LOCAL_WORLD_SIZE)?.unwrap_or(1);
         o.shm_ring_bytes = shm_ring_bytes(local);
         o.oversubscribed = local > std::thread::available_parallelism().map_or(1, |n| n.get() as u64);
+        let slot = v.u64(env::LOCAL_RANK)?;
         if o.oversubscribed && v.flag(env::PIN_IO_THREADS)?.unwrap_or(true) {
-            let slot = v.u64(env::LOCAL_RANK)?.unwrap_or(0);
-            o.io_core = Some(usize::try_from(slot).unwrap_or(usize::MAX));
+            o.io_core = Some(usize::try_from(slot.unwrap_or(0)).unwrap_or(usize::MAX));
+        }
+        if local > 1 && !o.oversubscribed {
+            o.home_core = slot.and_then(|s| usize::try_from(s).ok());
         }
         if let Some(n) = v.u64(env::IO_THREADS)? {
             o.io_threads = io_threads(n)?;
@@ -382,6 +396,26 @@ mod tests {
         let uncrowded = TcpOptions::from_lookup(table(&[("LOCAL_WORLD_SIZE", "1"), ("LOCAL_RANK", "0")])).unwrap();
         assert_eq!(uncrowded.io_core, None, "a core each: the kernel places them");
         assert_eq!(TcpOptions::default().io_core, None);
+        assert_eq!(with(&[("LOCAL_RANK", "3")]).unwrap().home_core, None, "no core each: no home either");
+    }
+
+    #[test]
+    fn where_the_local_ranks_have_a_core_each_the_local_rank_names_the_polling_threads_home() {
+        let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+        let local = |world: usize, rank: Option<&str>| {
+            let world = world.to_string();
+            let mut pairs = vec![("LOCAL_WORLD_SIZE", world.as_str())];
+            pairs.extend(rank.map(|r| ("LOCAL_RANK", r)));
+            TcpOptions::from_lookup(table(&pairs)).unwrap().home_core
+        };
+        if cores >= 2 {
+            assert_eq!(local(2, Some("1")), Some(1));
+            assert_eq!(local(cores, Some("0")), Some(0));
+        }
+        assert_eq!(local(1, Some("0")), None, "alone on the host: no peer to meet");
+        assert_eq!(local(2, None), None, "no LOCAL_RANK: nothing tells the ranks apart");
+        assert_eq!(local(cores + 1, Some("1")), None, "more ranks than cores");
+        assert_eq!(TcpOptions::default().home_core, None);
     }
 
     #[test]

@@ -244,6 +244,11 @@ impl Gate {
         near
     }
 
+    /// Whether any peer's frames come through shared memory.
+    pub(super) fn any_reader(&self) -> bool {
+        self.any_reader.load(Ordering::Relaxed)
+    }
+
     /// `peer`'s reading side, if its frames come through shared memory.
     fn reader(&self, peer: Rank) -> Option<&FastReader> {
         self.readers.get(peer.0 as usize)?.get().map(|r| &**r)
