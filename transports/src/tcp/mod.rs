@@ -267,8 +267,9 @@ impl crate::work::Progress for Poller {
     }
 
     fn home(&self) -> Option<usize> {
+        let home = self.home?;
         let inner = self.inner.upgrade()?;
-        self.home.filter(|_| !inner.quick.any_reader())
+        (!inner.quick.any_reader()).then_some(home)
     }
 }
 
