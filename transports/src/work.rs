@@ -573,46 +573,43 @@ fn move_core(to: Option<usize>, avoid: u64) -> Option<usize> {
     }
 }
 
+/// The cores the calling thread may run on, in order; `None` where the call failed.
+fn allowed_cores() -> Option<Vec<usize>> {
+    // SAFETY: a plain query into a mask this frame owns, of its true size; every core index
+    // is below the mask's size.
+    unsafe {
+        let mut allowed: libc::cpu_set_t = std::mem::zeroed();
+        if libc::sched_getaffinity(0, std::mem::size_of::<libc::cpu_set_t>(), &mut allowed) != 0 {
+            return None;
+        }
+        Some((0..libc::CPU_SETSIZE as usize).filter(|&c| libc::CPU_ISSET(c, &allowed)).collect())
+    }
+}
+
 /// The `slot`-th core the calling thread may run on, where it may run on every core of the
 /// host (two or more) and there are more than `slot` of them: then each of the host's ranks,
 /// started alike, gets a core of its own from its `LOCAL_RANK` (see
 /// [`TcpOptions::home_core`](crate::tcp::TcpOptions::home_core)). A process kept to some
 /// cores by its launcher gets none: its peers' masks may differ from its own.
 pub(crate) fn home_core(slot: usize) -> Option<usize> {
-    let size = std::mem::size_of::<libc::cpu_set_t>();
-    // SAFETY: plain queries, the mask owned by this frame and of its true size; every core
-    // index is below the mask's size.
-    unsafe {
-        let mut allowed: libc::cpu_set_t = std::mem::zeroed();
-        if libc::sched_getaffinity(0, size, &mut allowed) != 0 {
-            return None;
-        }
-        let count = usize::try_from(libc::CPU_COUNT(&allowed)).ok()?;
-        let online = usize::try_from(libc::sysconf(libc::_SC_NPROCESSORS_ONLN)).ok()?;
-        if count < 2 || count != online || slot >= count {
-            return None;
-        }
-        (0..libc::CPU_SETSIZE as usize).filter(|&c| libc::CPU_ISSET(c, &allowed)).nth(slot)
-    }
+    let cores = allowed_cores()?;
+    // SAFETY: a plain query.
+    let online = usize::try_from(unsafe { libc::sysconf(libc::_SC_NPROCESSORS_ONLN) }).ok()?;
+    (cores.len() >= 2 && cores.len() == online).then(|| cores.get(slot).copied()).flatten()
 }
 
 /// Keep the calling thread to the `slot`-th core it may run on, counted round them (see
 /// [`TcpOptions::io_core`](crate::tcp::TcpOptions::io_core)); the core, or `None` where it may
 /// run on one core only or the call failed (it then runs where it did).
 pub(crate) fn keep_to_core(slot: usize) -> Option<usize> {
-    let size = std::mem::size_of::<libc::cpu_set_t>();
-    // SAFETY: plain system calls on the calling thread's own affinity, with masks this frame
-    // owns and their true size; every core index is below the masks' size.
+    let cores = allowed_cores().filter(|c| c.len() > 1)?;
+    let core = cores[slot % cores.len()];
+    // SAFETY: sets the calling thread's affinity to a mask this frame owns, of its true size,
+    // holding one core below its size.
     unsafe {
-        let mut allowed: libc::cpu_set_t = std::mem::zeroed();
-        if libc::sched_getaffinity(0, size, &mut allowed) != 0 {
-            return None;
-        }
-        let count = usize::try_from(libc::CPU_COUNT(&allowed)).ok().filter(|&n| n > 1)?;
-        let core = (0..libc::CPU_SETSIZE as usize).filter(|&c| libc::CPU_ISSET(c, &allowed)).nth(slot % count)?;
         let mut target: libc::cpu_set_t = std::mem::zeroed();
         libc::CPU_SET(core, &mut target);
-        (libc::sched_setaffinity(0, size, &target) == 0).then_some(core)
+        (libc::sched_setaffinity(0, std::mem::size_of::<libc::cpu_set_t>(), &target) == 0).then_some(core)
     }
 }
 
