@@ -305,7 +305,8 @@ enum CoreMove {
 ///   where it is if it is there: of two ranks' threads on one core, exactly the one away from
 ///   home moves, and not onto another rank's core. A thread that wakes, or whose wait over
 ///   shared memory has been empty for a while, goes to its own core too: the kernel puts a
-///   thread that wakes where it likes, often next to the peer's.
+///   thread that wakes where it likes, often next to the peer's. So does every wait of a
+///   group with no shared-memory peer, at its start ([`Progress::home`]).
 /// - Where nothing tells: such a yield moves it to another core, on the toss of a coin
 ///   ([`coin`]): the thread it shares the core with, the peer's, saw the same and decides the
 ///   same way, and if both moved they would share the other core.
