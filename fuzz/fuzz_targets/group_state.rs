@@ -6,7 +6,9 @@
 use std::time::{Duration, Instant};
 
 use arbitrary::Arbitrary;
-use cohort_core::group::{Collective, Completion, ControlMsg, Event, GroupConfig, GroupState, HeartbeatConfig, TensorSpec};
+use cohort_core::group::{
+    Collective, Completion, ControlMsg, Event, GroupConfig, GroupState, HeartbeatConfig, TensorSpec,
+};
 use cohort_core::{DType, ErrorHandling, OpType, Rank, SeqNo, WorkId, WorkState};
 use libfuzzer_sys::fuzz_target;
 
@@ -177,8 +179,7 @@ fuzz_target!(|case: Case| {
         e.cohort_error.as_deref().is_some_and(|m| m.contains("refused: the group had failed"))
     };
     assert!(dump.entries.iter().filter(refused).all(|e| e.cohort_blame.is_some()));
-    let recorded: Vec<_> =
-        dump.entries.iter().filter(|e| !refused(e)).map(|e| (e.op_id, e.cohort_state)).collect();
+    let recorded: Vec<_> = dump.entries.iter().filter(|e| !refused(e)).map(|e| (e.op_id, e.cohort_state)).collect();
     let tail = recorded.len().min(submitted.len());
     let expected: Vec<_> = submitted.iter().zip(&outcomes).map(|(id, s)| (id.0, Some(*s))).collect();
     // The ring keeps the newest entries (2000 by default: all of them here).

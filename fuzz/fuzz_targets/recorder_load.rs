@@ -3,9 +3,9 @@
 //! never panics and its JSON loads back equal.
 #![no_main]
 
+use cohort_core::Rank;
 use cohort_core::analyze::diagnose;
 use cohort_core::recorder::Dump;
-use cohort_core::Rank;
 use libfuzzer_sys::fuzz_target;
 
 fuzz_target!(|input: (u8, &str)| {

@@ -106,10 +106,16 @@ fuzz_target!(|case: Case| {
                 assert_eq!(data, (0..count).map(col).collect::<Vec<_>>())
             }
             ScheduleOp::Allgather { .. } => {
-                assert_eq!(output, (0..n * count).map(|i| value(i / count.max(1), i % count.max(1))).collect::<Vec<_>>())
+                assert_eq!(
+                    output,
+                    (0..n * count).map(|i| value(i / count.max(1), i % count.max(1))).collect::<Vec<_>>()
+                )
             }
             ScheduleOp::Gather { .. } if r == root.index() => {
-                assert_eq!(output, (0..n * count).map(|i| value(i / count.max(1), i % count.max(1))).collect::<Vec<_>>())
+                assert_eq!(
+                    output,
+                    (0..n * count).map(|i| value(i / count.max(1), i % count.max(1))).collect::<Vec<_>>()
+                )
             }
             ScheduleOp::ReduceScatter { .. } => {
                 assert_eq!(output, (0..count).map(|i| col(r * count + i)).collect::<Vec<_>>())

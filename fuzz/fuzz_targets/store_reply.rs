@@ -16,7 +16,8 @@ fuzz_target!(|input: (u8, u8, &[u8])| {
         6 => ReplyKind::QueuePop,
         _ => ReplyKind::Wait,
     };
-    let limits = DecodeLimits { max_key_len: 1 << 12, max_value_len: 1 << 16, max_key_count: 64, max_message_len: 1 << 20 };
+    let limits =
+        DecodeLimits { max_key_len: 1 << 12, max_value_len: 1 << 16, max_key_count: 64, max_message_len: 1 << 20 };
     if let Ok(Some((reply, used))) = decode_reply(bytes, kind, &limits) {
         assert_eq!(reply.to_bytes(), &bytes[..used], "a decoded reply re-encodes to its bytes");
     }

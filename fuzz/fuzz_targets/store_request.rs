@@ -8,7 +8,8 @@ use libfuzzer_sys::fuzz_target;
 
 fuzz_target!(|input: (u8, &[u8])| {
     let (piece, bytes) = input;
-    let limits = DecodeLimits { max_key_len: 1 << 12, max_value_len: 1 << 16, max_key_count: 64, max_message_len: 1 << 20 };
+    let limits =
+        DecodeLimits { max_key_len: 1 << 12, max_value_len: 1 << 16, max_key_count: 64, max_message_len: 1 << 20 };
     if let Ok(Some((req, used))) = decode_request(bytes, &limits) {
         assert_eq!(req.to_bytes(), &bytes[..used], "a decoded request re-encodes to its bytes");
     }
