@@ -452,7 +452,7 @@ mod tests {
         };
         let b = header.encode();
         assert_eq!(&b[0..4], b"CoHF");
-        assert_eq!(&b[4..6], &[1, 0]);
+        assert_eq!(&b[4..6], &[2, 0]);
         assert_eq!(b[6], 2);
         assert_eq!(b[7], 0x80);
         assert_eq!(&b[8..12], &[0x44, 0x33, 0x22, 0x11]);
@@ -475,10 +475,10 @@ mod tests {
     #[test]
     fn decode_refuses_other_versions() {
         let mut b = header_bytes(&sample());
-        b[4..6].copy_from_slice(&2u16.to_le_bytes());
+        b[4..6].copy_from_slice(&1u16.to_le_bytes());
         let err = FrameHeader::decode(&b, &FrameLimits::default()).unwrap_err();
-        assert_eq!(err, FrameError::UnsupportedVersion { found: 2 });
-        assert_eq!(err.to_string(), "frame protocol version 2 from peer, this build speaks 1");
+        assert_eq!(err, FrameError::UnsupportedVersion { found: 1 });
+        assert_eq!(err.to_string(), "frame protocol version 1 from peer, this build speaks 2");
     }
 
     #[test]

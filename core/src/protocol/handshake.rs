@@ -655,7 +655,7 @@ mod tests {
         };
         let b = h.encode();
         assert_eq!(&b[0..4], b"CoHS");
-        assert_eq!(&b[4..6], &[1, 0]);
+        assert_eq!(&b[4..6], &[2, 0]);
         assert_eq!(&b[6..8], &[2, 1]);
         assert_eq!(&b[8..12], &[0x0d, 0x0c, 0x0b, 0x0a]);
         assert_eq!(&b[12..16], &[3, 0, 0, 0]);
@@ -679,10 +679,10 @@ mod tests {
     #[test]
     fn decode_names_a_version_mismatch() {
         let mut b = peer().encode();
-        b[4..6].copy_from_slice(&2u16.to_le_bytes());
+        b[4..6].copy_from_slice(&1u16.to_le_bytes());
         let err = Handshake::decode(&b).unwrap_err();
-        assert_eq!(err, HandshakeError::VersionMismatch { peer: 2 });
-        assert_eq!(err.to_string(), "protocol version 2 from peer, this build speaks 1");
+        assert_eq!(err, HandshakeError::VersionMismatch { peer: 1 });
+        assert_eq!(err.to_string(), "protocol version 1 from peer, this build speaks 2");
     }
 
     #[test]
@@ -856,7 +856,7 @@ mod tests {
     fn every_error_maps_to_the_reason_the_peer_is_told() {
         let cases = [
             (HandshakeError::BadMagic { found: 0 }, RejectReason::BadHandshake),
-            (HandshakeError::VersionMismatch { peer: 2 }, RejectReason::VersionMismatch),
+            (HandshakeError::VersionMismatch { peer: 1 }, RejectReason::VersionMismatch),
             (HandshakeError::GroupMismatch { peer: GroupId(1), ours: GroupId(0) }, RejectReason::GroupMismatch),
             (
                 HandshakeError::WorldSizeMismatch { peer_rank: Rank(1), peer: 2, ours: 3 },

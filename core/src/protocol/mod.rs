@@ -17,7 +17,7 @@
 //! | 0 | 4 | magic | [`FRAME_MAGIC`], the bytes `CoHF` |
 //! | 4 | 2 | version | [`PROTOCOL_VERSION`] |
 //! | 6 | 1 | kind | [`FrameKind`]: 1 data, 2 p2p, 3 heartbeat, 4 error, 5 abort, 6 goodbye, 7 stuck |
-//! | 7 | 1 | flags | [`FrameHeader::flags`]: no bits defined in version 1; senders write 0 |
+//! | 7 | 1 | flags | [`FrameHeader::flags`]: no bits defined; senders write 0 |
 //! | 8 | 4 | group | [`GroupId`](crate::work::GroupId) |
 //! | 12 | 4 | source | [`Rank`](crate::work::Rank) of the sender |
 //! | 16 | 8 | seq | [`SeqNo`](crate::work::SeqNo): collective or p2p sequence number |
@@ -91,7 +91,14 @@ pub use handshake::{
 };
 
 /// The protocol version this build speaks, in frame headers and handshakes.
-pub const PROTOCOL_VERSION: u16 = 1;
+///
+/// Two builds may meet only if they would run every call the same way: it changes with the
+/// bytes on the wire and with the schedule a collective's size and group pick (the ranks of a
+/// group choose theirs apart, from the same inputs, and a rank that picked another would wait
+/// for frames its peers never send). A peer of another version is refused at the handshake,
+/// with both versions named. Version 2: allreduces of a power-of-two group of at least four
+/// ranks halve and double up to 1 MiB (version 1 ran a ring above 256 KiB).
+pub const PROTOCOL_VERSION: u16 = 2;
 
 /// Copies `N` bytes out of `bytes` at offset `at`. Offsets are compile-time constants of the
 /// layouts above, so the bounds check folds away.
