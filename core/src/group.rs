@@ -507,19 +507,31 @@ impl Collective {
 
 /// A collective whose arguments passed [`Collective::validate`] for one rank of one group size.
 /// A caller that submits the same description again and again (a loop of one small allreduce,
-/// [`GroupState::submit_inline`]) keeps it checked, and the group does not check it again.
-#[derive(Debug, Clone, PartialEq)]
+/// [`GroupState::submit_inline`]) keeps it checked, and the group does not check it again, nor
+/// look up what its flight-recorder entry says ([`FlightRecorder::record_again`]).
+#[derive(Debug, Clone)]
 pub struct Checked {
     collective: Collective,
     rank: Rank,
     world_size: u32,
+    /// Which checked description this is: made once per [`Checked::new`] and kept by its
+    /// clones, which describe the same collective (nothing changes one once made).
+    id: u64,
+}
+
+impl PartialEq for Checked {
+    fn eq(&self, other: &Self) -> bool {
+        (&self.collective, self.rank, self.world_size) == (&other.collective, other.rank, other.world_size)
+    }
 }
 
 impl Checked {
     /// `collective`, checked for rank `me` of a group of `world_size`.
     pub fn new(collective: Collective, me: Rank, world_size: u32) -> Result<Checked, SubmitError> {
+        static NEXT: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
         collective.validate(me, world_size)?;
-        Ok(Checked { collective, rank: me, world_size })
+        let id = NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        Ok(Checked { collective, rank: me, world_size, id })
     }
 
     /// The collective.
@@ -876,6 +888,9 @@ pub struct GroupState {
     events: VecDeque<Event>,
     /// When [`GroupState::finish_inline`] last noted the peers it heard from.
     inline_heard: Option<Duration>,
+    /// The last inline work's description ([`Checked`]'s id) and flight-recorder entry: the
+    /// next work of that description is recorded like it ([`FlightRecorder::record_again`]).
+    inline_record: Option<(u64, RecordId)>,
     /// The last profiling name formatted for the recorder (its allocation is reused).
     name_buf: String,
     /// The recorder's id of each collective's profiling name (`backend:op`), interned on first
@@ -936,6 +951,7 @@ impl GroupState {
             launches: VecDeque::new(),
             events: VecDeque::new(),
             inline_heard: None,
+            inline_record: None,
             name_buf: String::new(),
             collective_names: Vec::new(),
             signatures: VecDeque::new(),
@@ -1071,8 +1087,23 @@ impl GroupState {
         let already = checked.rank == self.rank && checked.world_size == self.cfg.world_size;
         let (id, seq, timeout) = self.admit_checks(now, collective, already)?;
         let sent = first(id, seq);
-        // Recorded as started: it starts now.
-        let record = self.admit_record(now, collective, seq, timeout, true);
+        // Recorded as started: it starts now. A work of the description the last inline work
+        // had is recorded like that one was, without looking up its group, name and tensors.
+        let again = match self.inline_record {
+            Some((desc, like)) if desc == checked.id => {
+                let ids = [seq.0, self.p2p_seq.0, self.next_work - 1];
+                self.recorder.record_again(now, like, ids, timeout)
+            }
+            _ => None,
+        };
+        let record = match again {
+            Some(record) => {
+                self.note_signature(seq, collective);
+                Some(record)
+            }
+            None => self.admit_record(now, collective, seq, timeout, true),
+        };
+        self.inline_record = record.map(|record| (checked.id, record));
         let mut lifecycle = Lifecycle::new(now);
         lifecycle.start(now).expect("a new work can always start");
         Ok(Inline::Running(InlineWork { id, seq, op: collective.op, lifecycle, timeout, record }, sent))
@@ -1177,20 +1208,25 @@ impl GroupState {
     ) -> Option<RecordId> {
         let record = self.record(now, collective, seq, timeout, started);
         if !collective.op.is_p2p() {
-            if self.signatures.len() == SIGNATURES_KEPT {
-                self.signatures.pop_front();
-            }
-            self.signatures.push_back((seq, Signature::of(collective)));
-            // A census about this collective asked before this rank reached it got "not
-            // there yet": vote again, now that it is.
-            if let Some(c) = self.censuses.get_mut(&seq)
-                && c.voted
-            {
-                c.voted = false;
-                self.census_vote(seq);
-            }
+            self.note_signature(seq, collective);
         }
         record
+    }
+
+    /// Collective `seq`'s desync signature, kept for censuses.
+    fn note_signature(&mut self, seq: SeqNo, collective: &Collective) {
+        if self.signatures.len() == SIGNATURES_KEPT {
+            self.signatures.pop_front();
+        }
+        self.signatures.push_back((seq, Signature::of(collective)));
+        // A census about this collective asked before this rank reached it got "not there
+        // yet": vote again, now that it is.
+        if let Some(c) = self.censuses.get_mut(&seq)
+            && c.voted
+        {
+            c.voted = false;
+            self.census_vote(seq);
+        }
     }
 
     /// A work's entry in the table (not launched yet), with its timers counted from
@@ -2347,6 +2383,40 @@ mod tests {
             [Event::WorkFinished(s)] => Some(s.clone()),
             other => panic!("{other:?}"),
         }
+    }
+
+    #[test]
+    fn a_description_kept_from_work_to_work_is_recorded_as_fresh_ones_are() {
+        // A caller that keeps one `Checked` while the description stays has each work recorded
+        // like the last (no lookups): it must leave what a fresh description leaves, across a
+        // change of description and back, and a ring that wraps (3 entries).
+        #[allow(clippy::disallowed_methods)] // the test's one epoch
+        let t0 = Instant::now();
+        let ms = |n| t0 + Duration::from_millis(n);
+        let small = |t0| {
+            let mut cfg = group_at(t0).config().clone();
+            cfg.recorder = RecorderConfig { capacity: 3, timing: true };
+            GroupState::new(cfg, Rank(0), t0)
+        };
+        let (mut kept, mut fresh) = (small(t0), small(t0));
+        let (four, eight) = (checked(allreduce(4)), checked(allreduce(8)));
+        for (i, n) in [4, 4, 4, 8, 8, 4, 4, 4, 4].into_iter().enumerate() {
+            let at = 10 * i as u64;
+            let mine = if n == 4 { four.clone() } else { eight.clone() };
+            for (g, c) in [(&mut kept, mine), (&mut fresh, checked(allreduce(n)))] {
+                let Inline::Running(w, ()) = g.submit_inline(ms(at), &c, |_, _| ()).unwrap() else { panic!() };
+                g.finish_inline(ms(at + 3), w, []);
+            }
+            assert_eq!(kept.dump(), fresh.dump(), "after work {i}");
+        }
+        // One left running, then handed to the usual path: its entry moves on as any does.
+        for g in [&mut kept, &mut fresh] {
+            let Inline::Running(w, ()) = g.submit_inline(ms(100), &four, |_, _| ()).unwrap() else { panic!() };
+            let id = w.id();
+            g.adopt_inline(w, allreduce(4));
+            g.handle_completion(ms(107), id, Completion::Failed { rank: Some(Rank(1)), message: "x".into() });
+        }
+        assert_eq!(kept.dump(), fresh.dump());
     }
 
     #[test]

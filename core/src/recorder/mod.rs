@@ -357,6 +357,20 @@ struct Slot {
     shapes: u32,
 }
 
+/// What a new entry says besides its times and state ([`FlightRecorder::write`]): its
+/// interned group, profiling name and description (one reference to it, which the entry takes),
+/// its numbers, kind and timeout.
+struct Entry {
+    group: u32,
+    name: u32,
+    shapes: u32,
+    collective_seq_id: u64,
+    p2p_seq_id: u64,
+    op_id: u64,
+    is_p2p: bool,
+    timeout: Duration,
+}
+
 impl FlightRecorder {
     /// A recorder keeping `config.capacity` entries (0: off), whose group epoch is
     /// `wall_epoch_ns` nanoseconds after the Unix epoch. The ring's slots are made as it fills,
@@ -446,8 +460,7 @@ impl FlightRecorder {
         req: &RecordRequest<'_, T>,
         started: bool,
     ) -> Option<RecordId> {
-        let capacity = self.config.capacity;
-        if capacity == 0 {
+        if self.config.capacity == 0 {
             return None;
         }
         let group = self.intern_group(req);
@@ -456,34 +469,77 @@ impl FlightRecorder {
             ProfilingName::Interned(id) if (id.0 as usize) < self.names.len() => id.0,
             ProfilingName::Interned(_) => self.intern_name("(unknown profiling name)").0,
         };
+        let shapes = self.shapes.acquire(req.inputs, req.outputs);
+        let entry = Entry {
+            group,
+            name,
+            shapes,
+            collective_seq_id: req.collective_seq_id,
+            p2p_seq_id: req.p2p_seq_id,
+            op_id: req.op_id,
+            is_p2p: req.is_p2p,
+            timeout: req.timeout,
+        };
+        Some(self.write(now, entry, started))
+    }
+
+    /// Record a collective enqueued and started at `now`, of the group, profiling name and
+    /// tensors the entry `like` has (a loop of one collective: those need no lookup), with
+    /// these sequence numbers (`collective_seq_id`, `p2p_seq_id`, `op_id`) and `timeout`. It
+    /// leaves what [`record_started`](Self::record_started) with the same request would.
+    /// `None` if `like`'s entry is gone (overwritten, or from before a reset) or is a
+    /// point-to-point op's, or the recorder is off: record it in full then.
+    pub fn record_again(
+        &mut self,
+        now: Duration,
+        like: RecordId,
+        ids: [u64; 3],
+        timeout: Duration,
+    ) -> Option<RecordId> {
+        let slot = self.live_slot(like)?;
+        if slot.is_p2p {
+            return None;
+        }
+        let (group, name, shapes) = (slot.group, slot.name, slot.shapes);
+        let [collective_seq_id, p2p_seq_id, op_id] = ids;
+        // A live entry's description is pointed at: one more entry now does.
+        self.shapes.add_ref(shapes);
+        let entry = Entry { group, name, shapes, collective_seq_id, p2p_seq_id, op_id, is_p2p: false, timeout };
+        Some(self.write(now, entry, true))
+    }
+
+    /// Write `entry` into the next slot as enqueued at `now` (and started then, if `started`),
+    /// and move its group's `pg_status`.
+    fn write(&mut self, now: Duration, entry: Entry, started: bool) -> RecordId {
+        let capacity = self.config.capacity;
         let seq = self.recorded;
         self.recorded += 1;
-        if !req.is_p2p {
-            let seq = seq_to_status(req.collective_seq_id);
-            let status = self.status_of(group);
+        if !entry.is_p2p {
+            let seq = seq_to_status(entry.collective_seq_id);
+            let status = self.status_of(entry.group);
             status.last_enqueued_collective = seq;
             if started {
                 status.last_started_collective = status.last_started_collective.max(seq);
             }
         }
-
-        let shapes = self.shapes.acquire(req.inputs, req.outputs);
         let index = self.next_index;
         self.next_index = if index + 1 == capacity { 0 } else { index + 1 };
         if index == self.slots.len() {
             self.slots.push(Slot::empty());
         }
         let Some(slot) = self.slots.get_mut(index) else {
-            return None; // unreachable: `index` is at most the ring's length, which grew to it
+            // Unreachable: `index` is at most the ring's length, which grew to it.
+            self.shapes.release(entry.shapes);
+            return RecordId { seq, index };
         };
         slot.seq = seq;
-        slot.group = group;
-        slot.name = name;
-        slot.collective_seq_id = req.collective_seq_id;
-        slot.p2p_seq_id = req.p2p_seq_id;
-        slot.op_id = req.op_id;
-        slot.is_p2p = req.is_p2p;
-        slot.timeout = req.timeout;
+        slot.group = entry.group;
+        slot.name = entry.name;
+        slot.collective_seq_id = entry.collective_seq_id;
+        slot.p2p_seq_id = entry.p2p_seq_id;
+        slot.op_id = entry.op_id;
+        slot.is_p2p = entry.is_p2p;
+        slot.timeout = entry.timeout;
         slot.created = now;
         slot.started = started.then_some(now);
         slot.completed = None;
@@ -492,7 +548,7 @@ impl FlightRecorder {
         slot.state = if started { WorkState::Started } else { WorkState::Enqueued };
         slot.error = None;
         slot.blame = None;
-        let overwritten = std::mem::replace(&mut slot.shapes, shapes);
+        let overwritten = std::mem::replace(&mut slot.shapes, entry.shapes);
         self.shapes.release(overwritten);
         // The next records write the next slots, last written `capacity` records ago and out of
         // the cache by now in a full ring: the slot after next is asked for while this
@@ -501,7 +557,7 @@ impl FlightRecorder {
         if let Some(next) = self.slots.get(after) {
             next.prefetch_lines();
         }
-        Some(RecordId { seq, index })
+        RecordId { seq, index }
     }
 
     /// The work `id` started at `now` (`time_discovered_started_ns`; `state` becomes

@@ -88,6 +88,16 @@ impl Shapes {
         id
     }
 
+    /// One more entry points at `id`, which an entry points at already ([`NONE`] and free ids
+    /// are ignored).
+    pub(super) fn add_ref(&mut self, id: u32) {
+        if let Some((_, refs)) = self.table.get_mut(id as usize)
+            && *refs > 0
+        {
+            *refs += 1;
+        }
+    }
+
     /// One entry less points at `id` ([`NONE`] is ignored); the last one frees it.
     pub(super) fn release(&mut self, id: u32) {
         let Some((key, refs)) = self.table.get_mut(id as usize) else { return };

@@ -507,3 +507,108 @@ proptest! {
         prop_assert_eq!(fr.len(), model.len().saturating_sub(first_of_epoch).min(capacity));
     }
 }
+
+/// What a differential run does next: record a work (of description `desc`, or like the entry of
+/// an earlier record, `like`), move one, or reset.
+#[derive(Debug, Clone)]
+enum Again {
+    Record(usize),
+    Like(usize),
+    Start(usize),
+    Complete(usize),
+    Fail(usize),
+    Reset,
+}
+
+fn again_op() -> impl Strategy<Value = Again> {
+    prop_oneof![
+        3 => (0usize..4).prop_map(Again::Record),
+        4 => any::<usize>().prop_map(Again::Like),
+        1 => any::<usize>().prop_map(Again::Start),
+        2 => any::<usize>().prop_map(Again::Complete),
+        1 => any::<usize>().prop_map(Again::Fail),
+        1 => Just(Again::Reset),
+    ]
+}
+
+const WIDE: &[usize] = &[5];
+const WIDE_METAS: &[TensorMeta<'static>] = &[TensorMeta { dtype: DType::I64, shape: WIDE }];
+
+/// Description `desc` of four, with these numbers: an allreduce, another group's, one of other
+/// tensors, and a point-to-point send (which [`FlightRecorder::record_again`] never copies).
+fn described(desc: usize, seq: u64, op_id: u64) -> RecordRequest<'static> {
+    let base = allreduce(seq);
+    let base = RecordRequest { op_id, ..base };
+    match desc {
+        0 => base,
+        1 => RecordRequest { pg_id: 1, pg_name: "1", pg_desc: "sub", ..base },
+        2 => RecordRequest { inputs: WIDE_METAS, outputs: WIDE_METAS, timeout: ms(5), ..base },
+        _ => RecordRequest {
+            profiling_name: "gloo:send 0->1".into(),
+            is_p2p: true,
+            collective_seq_id: 0,
+            p2p_seq_id: seq,
+            ..base
+        },
+    }
+}
+
+proptest! {
+    /// `record_again` leaves what `record_started` of the same request leaves: two recorders,
+    /// one recording each repeat like an earlier entry where it can, the other in full, dump
+    /// alike after every step, through wraps, transitions and resets.
+    #[test]
+    fn a_record_like_an_earlier_one_leaves_what_a_full_record_leaves(
+        capacity in 1usize..5,
+        ops in prop::collection::vec(again_op(), 0..60),
+    ) {
+        let (mut again, mut full) = (recorder(capacity), recorder(capacity));
+        for fr in [&mut again, &mut full] {
+            fr.record_group(1, "1", "sub", &[0]);
+        }
+        // Each record's description, and its id in each recorder.
+        let mut records: Vec<(usize, RecordId, RecordId)> = Vec::new();
+        for (t, op) in ops.into_iter().enumerate() {
+            let now = ms(t as u64);
+            let seq = records.len() as u64 + 1;
+            let pick = |i: usize| (!records.is_empty()).then(|| records[i % records.len()]);
+            match op {
+                Again::Record(desc) => {
+                    let req = described(desc, seq, seq + 100);
+                    let a = again.record_started(now, &req).unwrap();
+                    let f = full.record_started(now, &req).unwrap();
+                    records.push((desc, a, f));
+                }
+                Again::Like(i) => if let Some((desc, like, _)) = pick(i) {
+                    let req = described(desc, seq, seq + 100);
+                    let ids = [req.collective_seq_id, req.p2p_seq_id, req.op_id];
+                    let a = match again.record_again(now, like, ids, req.timeout) {
+                        Some(a) => a,
+                        None => again.record_started(now, &req).unwrap(),
+                    };
+                    let f = full.record_started(now, &req).unwrap();
+                    records.push((desc, a, f));
+                },
+                Again::Start(i) => if let Some((_, a, f)) = pick(i) {
+                    again.handle_started(a, now);
+                    full.handle_started(f, now);
+                },
+                Again::Complete(i) => if let Some((_, a, f)) = pick(i) {
+                    again.handle_completed(a, now);
+                    full.handle_completed(f, now);
+                },
+                Again::Fail(i) => if let Some((_, a, f)) = pick(i) {
+                    let result = WorkResult::Aborted { reason: "x".into() };
+                    again.handle_finished(a, now, &result);
+                    full.handle_finished(f, now, &result);
+                },
+                Again::Reset => {
+                    again.reset(now);
+                    full.reset(now);
+                }
+            }
+            prop_assert_eq!(again.dump(meta()), full.dump(meta()));
+        }
+        prop_assert!(records.iter().all(|(_, a, f)| a == f), "the same record ids");
+    }
+}
