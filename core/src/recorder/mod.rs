@@ -13,7 +13,11 @@
 //! 1. [`record_group`](FlightRecorder::record_group) once per process group this rank belongs
 //!    to (fills `pg_config`; torch's `record_pg_ranks`).
 //! 2. [`record`](FlightRecorder::record) when a work is enqueued: `Some(id)`, or `None` when the
-//!    recorder is off (capacity 0).
+//!    recorder is off (capacity 0). A work enqueued and started at once takes
+//!    [`record_started`](FlightRecorder::record_started); one of the same group, profiling
+//!    name and tensors as a live entry may take [`record_again`](FlightRecorder::record_again),
+//!    which copies those instead of looking them up (a loop of one small collective records
+//!    each work so), and leaves the same entry.
 //! 3. [`handle_started`](FlightRecorder::handle_started) when the work starts running.
 //! 4. Exactly one terminal report: [`handle_completed`](FlightRecorder::handle_completed), or
 //!    [`handle_finished`](FlightRecorder::handle_finished) with the work's [`WorkResult`].

@@ -382,7 +382,8 @@ impl DriverState {
         let (peer, step) = chain.at(0);
         self.quick_chain = chain;
         let mode = self.mode();
-        let linked = self.lanes_for(peer).is_some();
+        // Connected already, as a loop of small works is from its second on: one lookup.
+        let linked = self.writers.contains_key(&peer) || self.lanes_for(peer).is_some();
         let (gid, me) = (self.gid, self.me);
         // The frame goes out as soon as the work is numbered, before its flight-recorder entry
         // and before its `Work` is made: those overlap the frame's way to the peer.
@@ -452,7 +453,7 @@ impl DriverState {
         let (peer, step) = self.quick_chain.at(exchange.at as usize);
         exchange.peer = peer;
         exchange.step = step;
-        let sent = match self.lanes_for(peer).is_some() {
+        let sent = match self.writers.contains_key(&peer) || self.lanes_for(peer).is_some() {
             false => Sent::Gone,
             true => {
                 let mode = self.mode();
