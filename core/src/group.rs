@@ -39,7 +39,9 @@ use std::time::{Duration, Instant};
 use serde::{Deserialize, Serialize};
 
 use crate::census::{Signature, Votes};
-use crate::recorder::{Dump, DumpMeta, FlightRecorder, NameId, ProfilingName, RecordId, RecordRequest, RecorderConfig};
+use crate::recorder::{
+    Dump, DumpMeta, FlightRecorder, NameId, ProfilingName, RecordId, RecordNumbers, RecordRequest, RecorderConfig,
+};
 use crate::seqmap::SeqMap;
 use crate::tensor::{DType, numel_of};
 use crate::watchdog::{TimeoutContext, TimerKind, TimerTable, timeout_message};
@@ -1091,8 +1093,9 @@ impl GroupState {
         // had is recorded like that one was, without looking up its group, name and tensors.
         let again = match self.inline_record {
             Some((desc, like)) if desc == checked.id => {
-                let ids = [seq.0, self.p2p_seq.0, self.next_work - 1];
-                self.recorder.record_again(now, like, ids, timeout)
+                let numbers =
+                    RecordNumbers { collective_seq_id: seq.0, p2p_seq_id: self.p2p_seq.0, op_id: self.next_work - 1 };
+                self.recorder.record_again(now, like, numbers, timeout)
             }
             _ => None,
         };

@@ -113,6 +113,18 @@ pub struct RecordId {
     index: usize,
 }
 
+/// A collective's numbers in its entry, torch's `collective_seq_id`, `p2p_seq_id` and `op_id`
+/// (as a [`RecordRequest`] has them), for [`FlightRecorder::record_again`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct RecordNumbers {
+    /// The group's collective sequence number.
+    pub collective_seq_id: u64,
+    /// The group's point-to-point sequence number so far.
+    pub p2p_seq_id: u64,
+    /// The work's id.
+    pub op_id: u64,
+}
+
 impl fmt::Display for RecordId {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         write!(f, "record#{}", self.seq)
@@ -489,15 +501,15 @@ impl FlightRecorder {
 
     /// Record a collective enqueued and started at `now`, of the group, profiling name and
     /// tensors the entry `like` has (a loop of one collective: those need no lookup), with
-    /// these sequence numbers (`collective_seq_id`, `p2p_seq_id`, `op_id`) and `timeout`. It
-    /// leaves what [`record_started`](Self::record_started) with the same request would.
+    /// these `numbers` and `timeout`. It leaves what [`record_started`](Self::record_started)
+    /// with the same request would.
     /// `None` if `like`'s entry is gone (overwritten, or from before a reset) or is a
     /// point-to-point op's, or the recorder is off: record it in full then.
     pub fn record_again(
         &mut self,
         now: Duration,
         like: RecordId,
-        ids: [u64; 3],
+        numbers: RecordNumbers,
         timeout: Duration,
     ) -> Option<RecordId> {
         let slot = self.live_slot(like)?;
@@ -505,7 +517,7 @@ impl FlightRecorder {
             return None;
         }
         let (group, name, shapes) = (slot.group, slot.name, slot.shapes);
-        let [collective_seq_id, p2p_seq_id, op_id] = ids;
+        let RecordNumbers { collective_seq_id, p2p_seq_id, op_id } = numbers;
         // A live entry's description is pointed at: one more entry now does.
         self.shapes.add_ref(shapes);
         let entry = Entry { group, name, shapes, collective_seq_id, p2p_seq_id, op_id, is_p2p: false, timeout };

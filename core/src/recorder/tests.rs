@@ -581,8 +581,12 @@ proptest! {
                 }
                 Again::Like(i) => if let Some((desc, like, _)) = pick(i) {
                     let req = described(desc, seq, seq + 100);
-                    let ids = [req.collective_seq_id, req.p2p_seq_id, req.op_id];
-                    let a = match again.record_again(now, like, ids, req.timeout) {
+                    let numbers = RecordNumbers {
+                        collective_seq_id: req.collective_seq_id,
+                        p2p_seq_id: req.p2p_seq_id,
+                        op_id: req.op_id,
+                    };
+                    let a = match again.record_again(now, like, numbers, req.timeout) {
                         Some(a) => a,
                         None => again.record_started(now, &req).unwrap(),
                     };
