@@ -675,17 +675,23 @@ impl Shared {
 
     /// The work ended as `summary` says: its span and its event.
     fn note_end(span: &tracing::Span, summary: &WorkSummary) {
-        span.record("state", span_state(summary.lifecycle.state()));
-        if let Some(d) = summary.lifecycle.duration() {
-            span.record("duration_us", d.as_micros() as u64);
-        }
-        span.in_scope(|| {
+        let event = || {
             if summary.result.is_success() {
                 tracing::debug!("work finished");
             } else {
                 tracing::warn!(result = %summary.result, "work failed");
             }
-        });
+        };
+        // A span no subscriber wants records nothing and is entered for nothing: a small
+        // work's end skips the lifecycle's reading and the scope.
+        if span.is_disabled() {
+            return event();
+        }
+        span.record("state", span_state(summary.lifecycle.state()));
+        if let Some(d) = summary.lifecycle.duration() {
+            span.record("duration_us", d.as_micros() as u64);
+        }
+        span.in_scope(event);
     }
 
     fn lock(&self) -> MutexGuard<'_, Slot> {

@@ -22,12 +22,13 @@ impl Write for Captured {
     }
 }
 
-#[test]
-fn every_work_is_a_span_that_closes_with_its_state() {
+/// Two ranks under a subscriber of `level` that logs span closes: an allreduce, then one that
+/// fails because rank 1 aborted. What was logged.
+fn logged(level: tracing::Level) -> String {
     let captured = Captured::default();
     let writer = captured.clone();
     let subscriber = tracing_subscriber::fmt()
-        .with_max_level(tracing::Level::DEBUG)
+        .with_max_level(level)
         .with_span_events(FmtSpan::CLOSE)
         .with_ansi(false)
         .with_writer(move || writer.clone())
@@ -45,7 +46,7 @@ fn every_work_is_a_span_that_closes_with_its_state() {
         let (a, b) = (a.unwrap(), b.unwrap());
         let wa = a.allreduce(vec![Tensor::from_slice(&[1.0f32])], ReduceOp::Sum).unwrap();
         let wb = b.allreduce(vec![Tensor::from_slice(&[2.0f32])], ReduceOp::Sum).unwrap();
-        assert!(wa.span().metadata().is_some_and(|m| m.name() == "work"));
+        assert!(wa.span().metadata().is_some_and(|m| m.name() == "work") || level < tracing::Level::DEBUG);
         let (ra, rb) = tokio::join!(wa, wb);
         assert_eq!(ra.unwrap(), rb.unwrap());
         // A failed work's span closes too, and logs why: rank 1 leaves before the second.
@@ -53,7 +54,12 @@ fn every_work_is_a_span_that_closes_with_its_state() {
         let w = a.allreduce(vec![Tensor::from_slice(&[1.0f32])], ReduceOp::Sum).unwrap();
         assert!(tokio::time::timeout(Duration::from_secs(5), w).await.expect("in time").is_err());
     });
-    let text = String::from_utf8(captured.0.lock().unwrap().clone()).unwrap();
+    String::from_utf8(captured.0.lock().unwrap().clone()).unwrap()
+}
+
+#[test]
+fn every_work_is_a_span_that_closes_with_its_state() {
+    let text = logged(tracing::Level::DEBUG);
     for rank in [0, 1] {
         let opened = format!("work{{op=all_reduce seq=1 group=0 rank={rank} state=\"completed\"");
         assert!(text.contains(&opened), "no closed span for rank {rank}'s allreduce in:\n{text}");
@@ -61,4 +67,13 @@ fn every_work_is_a_span_that_closes_with_its_state() {
     let failed = text.lines().find(|l| l.contains("op=all_reduce seq=2 group=0 rank=0") && l.contains("work failed"));
     assert!(failed.is_some_and(|l| l.contains("rank 1")), "no failed allreduce naming rank 1 in:\n{text}");
     assert!(text.contains("close time.busy="), "spans are closed:\n{text}");
+}
+
+#[test]
+fn a_failed_work_is_logged_where_nobody_wants_its_span() {
+    // At WARN the works' (debug) spans are not made; a failure is still logged, without them.
+    let text = logged(tracing::Level::WARN);
+    assert!(!text.contains("work{"), "no span at WARN:\n{text}");
+    let failed = text.lines().find(|l| l.contains("work failed"));
+    assert!(failed.is_some_and(|l| l.contains("rank 1")), "no failed allreduce naming rank 1 in:\n{text}");
 }
