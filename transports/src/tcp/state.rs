@@ -214,8 +214,16 @@ impl DriverState {
     /// and asks for `to` to be dialed. `None` for a closed peer, or a missing one without lazy
     /// connection.
     fn lanes_for(&mut self, to: Rank) -> Option<&Lanes> {
-        let missing = to.0 < self.group.config().world_size && !self.writers.contains_key(&to);
-        if missing
+        if self.linked(to) { self.writers.get(&to) } else { None }
+    }
+
+    /// Whether there are lanes to `to`, made as [`DriverState::lanes_for`] makes them. A peer
+    /// connected already, as in a loop of small works from its second on, costs one lookup.
+    fn linked(&mut self, to: Rank) -> bool {
+        if self.writers.contains_key(&to) {
+            return true;
+        }
+        if to.0 < self.group.config().world_size
             && let Some(k) = self.lazy
             && to != self.me
             && !self.plane.is_closed(to)
@@ -225,8 +233,9 @@ impl DriverState {
             let (txs, rxs): (Vec<_>, Vec<_>) = (0..k).map(|_| super::link::lane()).unzip();
             self.writers.insert(to, Lanes::new(txs));
             self.dial_requests.push((to, rxs));
+            return true;
         }
-        self.writers.get(&to)
+        false
     }
 
     /// The timer task is about to sleep until `deadline`.
@@ -382,8 +391,7 @@ impl DriverState {
         let (peer, step) = chain.at(0);
         self.quick_chain = chain;
         let mode = self.mode();
-        // Connected already, as a loop of small works is from its second on: one lookup.
-        let linked = self.writers.contains_key(&peer) || self.lanes_for(peer).is_some();
+        let linked = self.linked(peer);
         let (gid, me) = (self.gid, self.me);
         // The frame goes out as soon as the work is numbered, before its flight-recorder entry
         // and before its `Work` is made: those overlap the frame's way to the peer.
@@ -453,7 +461,7 @@ impl DriverState {
         let (peer, step) = self.quick_chain.at(exchange.at as usize);
         exchange.peer = peer;
         exchange.step = step;
-        let sent = match self.writers.contains_key(&peer) || self.lanes_for(peer).is_some() {
+        let sent = match self.linked(peer) {
             false => Sent::Gone,
             true => {
                 let mode = self.mode();
@@ -951,7 +959,7 @@ impl DriverState {
             // Straight from the collective's buffer when this thread writes it; whatever the
             // socket does not take now is copied and queued.
             let mode = self.mode();
-            let sent = match self.lanes_for(to).is_some() {
+            let sent = match self.linked(to) {
                 false => Sent::Gone,
                 true => {
                     let DriverState { writers, plane, pool, on_written, .. } = &*self;
