@@ -200,7 +200,7 @@ pub(crate) trait Progress: Send + Sync {
 /// Where the polling threads of a rank's peers run, as they said last (over shared memory:
 /// [`Segment::poller_core`](cohort_core::shm::Segment::poller_core)), against the calling
 /// thread's core.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) struct Neighbours {
     /// Some peer said where its thread runs (false: none shares memory with this rank, or none
     /// polls now).
@@ -212,9 +212,17 @@ pub(crate) struct Neighbours {
     /// The cores (those below 64) the peers run on, one bit each: a thread that leaves its
     /// core goes to another one when it can.
     pub(crate) cores: u64,
+    /// How many of the peers' threads run on each core below 64 (see [`spread`]).
+    pub(crate) counts: [u8; 64],
     /// Where no peer says where it runs: the calling thread against its rank's own core, if it
     /// has one ([`TcpOptions::home_core`](crate::tcp::TcpOptions::home_core)).
     pub(crate) home: Home,
+}
+
+impl Default for Neighbours {
+    fn default() -> Self {
+        Neighbours { known: false, lower_here: false, higher_here: false, cores: 0, counts: [0; 64], home: Home::None }
+    }
 }
 
 /// A polling thread against its rank's own core (see [`CoreMoves`]).
@@ -288,6 +296,8 @@ enum CoreMove {
     Return(usize),
     /// To this core, its rank's own.
     Home(usize),
+    /// To this core, which has fewer polling threads ([`spread`]).
+    Spread(usize),
 }
 
 /// A polling thread's moves between cores (see [`SHARED_CORE_YIELD`]), one per thread.
@@ -320,6 +330,9 @@ enum CoreMove {
 ///   tens of microseconds.
 /// - A yield that ran a thread that does not yield, with no move before it, changes nothing:
 ///   another core may be no better.
+/// - Where the host runs more ranks than cores, every empty look yields, and a yield says
+///   nothing about who ran. There the peers' word alone decides, once in [`SPREAD_EVERY`]: the
+///   threads spread over the cores, none holding more than its share ([`spread`]).
 #[derive(Debug, Clone, Copy, Default)]
 struct CoreMoves {
     /// When it last left a core.
@@ -379,6 +392,18 @@ impl CoreMoves {
             return CoreMove::Home(core);
         }
         CoreMove::Stay
+    }
+
+    /// On a host with more polling threads than cores, at `now`: to `to`, where [`spread`]
+    /// found one, at most once in [`SPREAD_EVERY`].
+    fn spread(&mut self, to: Option<usize>, now: std::time::Instant) -> CoreMove {
+        match to {
+            Some(core) if self.may_move(now, SPREAD_EVERY) => {
+                self.moved = Some(now);
+                CoreMove::Spread(core)
+            }
+            _ => CoreMove::Stay,
+        }
     }
 
     fn may_move(&self, now: std::time::Instant, every: Duration) -> bool {
@@ -465,7 +490,7 @@ fn make_move(moves: &mut CoreMoves, decision: CoreMove, progress: &dyn Progress)
             moves.moved(left);
             left.is_some()
         }
-        CoreMove::Home(core) => {
+        CoreMove::Home(core) | CoreMove::Spread(core) => {
             let left = move_core(Some(core), 0);
             moves.moved(left);
             left.is_some()
@@ -510,6 +535,65 @@ pub(crate) fn check_core(progress: &dyn Progress) -> bool {
         }
     }
     !near.known || near.lower_here || near.higher_here
+}
+
+/// How often a polling thread on a host with more ranks than cores looks at where the peers'
+/// threads run ([`spread_check`]), and the least time between two of its moves.
+const SPREAD_EVERY: Duration = Duration::from_millis(1);
+
+/// Where a host runs more ranks than cores, the core the calling thread, on `core`, should move
+/// to, if any: the one of the `allowed` cores (a mask of those below 64) with the fewest of the
+/// peers' polling threads (`near`), where this core has more than its share (all the threads
+/// over the allowed cores, rounded up) and that one has fewer. Of the threads on a crowded
+/// core only the highest rank's moves (it sees no higher one there), so one move at a time
+/// evens the cores out, and it never moves onto a core that would then be crowded.
+///
+/// Why: a polling thread that yields at every empty look always ran a moment ago, and the
+/// kernel does not move such a thread to balance its cores. Four ranks on two cores were seen
+/// split three to one for 60 ms and more, the lone thread keeping a core to itself while the
+/// other three took turns, which made a 1 MiB allreduce about a quarter slower
+/// (`docs/performance.md`, "four ranks' threads split three to one").
+pub(crate) fn spread(core: u32, near: &Neighbours, allowed: u64) -> Option<usize> {
+    let core = usize::try_from(core).ok().filter(|&c| c < 64 && allowed >> c & 1 == 1)?;
+    let cores = allowed.count_ones() as usize;
+    if !near.known || near.higher_here || cores < 2 {
+        return None;
+    }
+    let peers: usize = (0..64).filter(|&c| allowed >> c & 1 == 1).map(|c| usize::from(near.counts[c])).sum();
+    let share = (peers + 1).div_ceil(cores);
+    if usize::from(near.counts[core]) < share {
+        return None;
+    }
+    let (to, there) = (0..64)
+        .filter(|&c| c != core && allowed >> c & 1 == 1)
+        .map(|c| (c, usize::from(near.counts[c])))
+        .min_by_key(|&(c, n)| (n, c))?;
+    (there < share).then_some(to)
+}
+
+thread_local! {
+    /// When the calling thread last looked for a less crowded core ([`spread_check`]).
+    static SPREAD_CHECKED: std::cell::Cell<Option<std::time::Instant>> = const { std::cell::Cell::new(None) };
+}
+
+/// On a host with more ranks than cores, at `now`, at most once in [`SPREAD_EVERY`]: tell the
+/// peers where the calling thread runs, and move it to a less crowded core if [`spread`] finds
+/// one.
+fn spread_check(now: std::time::Instant, progress: &dyn Progress) {
+    if SPREAD_CHECKED.get().is_some_and(|at| now < at + SPREAD_EVERY) {
+        return;
+    }
+    SPREAD_CHECKED.set(Some(now));
+    let Some(core) = current_core() else { return };
+    let near = progress.polls_on(core);
+    if !near.known {
+        return;
+    }
+    let allowed = allowed_cores().map_or(0, |cores| cores.iter().filter(|&&c| c < 64).fold(0u64, |m, &c| m | 1 << c));
+    let mut moves = MOVES.get();
+    let decision = moves.spread(spread(core, &near, allowed), now);
+    make_move(&mut moves, decision, progress);
+    MOVES.set(moves);
 }
 
 /// At the start of a wait: a thread away from its rank's own core `home` goes there
@@ -875,6 +959,9 @@ impl Work {
                         // Whether another thread had this core meanwhile (see `CoreMoves` and
                         // `TakeTurns`).
                         after_yield(back, back.duration_since(now), &**progress);
+                    } else {
+                        // More ranks than cores: whether this core has more than its share.
+                        spread_check(back, &**progress);
                     }
                     next_yield = back + turns(back, yield_every);
                 }
@@ -1204,9 +1291,30 @@ mod tests {
     #[test]
     fn a_check_says_the_core_is_shared_unless_a_peer_says_it_runs_elsewhere_or_this_thread_moved() {
         std::thread::spawn(|| {
-            let apart = Neighbours { known: true, lower_here: false, higher_here: false, cores: 0, home: Home::None };
-            let higher = Neighbours { known: true, lower_here: false, higher_here: true, cores: 0, home: Home::None };
-            let lower = Neighbours { known: true, lower_here: true, higher_here: false, cores: 0, home: Home::None };
+            let apart = Neighbours {
+                known: true,
+                lower_here: false,
+                higher_here: false,
+                cores: 0,
+                counts: [0; 64],
+                home: Home::None,
+            };
+            let higher = Neighbours {
+                known: true,
+                lower_here: false,
+                higher_here: true,
+                cores: 0,
+                counts: [0; 64],
+                home: Home::None,
+            };
+            let lower = Neighbours {
+                known: true,
+                lower_here: true,
+                higher_here: false,
+                cores: 0,
+                counts: [0; 64],
+                home: Home::None,
+            };
             for (near, want) in [(UNKNOWN, true), (apart, false), (higher, true)] {
                 let p = Near(std::sync::Mutex::new((near, Vec::new())));
                 assert_eq!(check_core(&p), want, "{near:?}");
@@ -1286,16 +1394,82 @@ mod tests {
 
     /// No peer says where its thread runs.
     const UNKNOWN: Neighbours =
-        Neighbours { known: false, lower_here: false, higher_here: false, cores: 0, home: Home::None };
+        Neighbours { known: false, lower_here: false, higher_here: false, cores: 0, counts: [0; 64], home: Home::None };
+
+    /// Peers' threads `on` cores (a list of cores, one entry a thread), this thread on `core`
+    /// and the highest rank there unless `higher_here`.
+    fn spread_near(on: &[usize], core: usize, higher_here: bool) -> Neighbours {
+        let mut near = Neighbours { known: !on.is_empty(), higher_here, ..UNKNOWN };
+        for &c in on {
+            near.counts[c] += 1;
+            near.cores |= 1 << c;
+        }
+        near.lower_here = on.contains(&core) && !higher_here;
+        near
+    }
+
+    #[test]
+    fn on_a_crowded_host_the_highest_thread_of_a_core_over_its_share_moves_to_the_least_crowded_one() {
+        let two = 0b11;
+        // Four ranks on two cores, three on core 0 (this thread and two peers), one on core 1.
+        assert_eq!(spread(0, &spread_near(&[0, 0, 1], 0, false), two), Some(1), "three to one: the highest moves");
+        assert_eq!(spread(0, &spread_near(&[0, 0, 1], 0, true), two), None, "a higher rank there moves instead");
+        assert_eq!(spread(1, &spread_near(&[0, 0, 0], 1, false), two), None, "the lone thread stays");
+        assert_eq!(spread(0, &spread_near(&[0, 1, 1], 0, false), two), None, "two and two: nobody moves");
+        assert_eq!(spread(0, &spread_near(&[0, 0, 0], 0, false), two), Some(1), "four on one core");
+        // Three ranks on two cores: two and one is as even as it gets.
+        assert_eq!(spread(0, &spread_near(&[0, 1], 0, false), two), None);
+        assert_eq!(spread(0, &spread_near(&[0, 0], 0, false), two), Some(1));
+        // Three cores: to the emptiest, the lowest of equals.
+        assert_eq!(spread(2, &spread_near(&[2, 2, 0, 1, 1], 2, false), 0b111), Some(0));
+        assert_eq!(spread(0, &spread_near(&[0, 0, 2], 0, false), 0b111), Some(1));
+        // Only the cores this thread may use count, and a core it may not use is no target.
+        assert_eq!(spread(0, &spread_near(&[0, 0, 1, 1], 0, false), 0b101), Some(2), "core 1 is not allowed");
+        assert_eq!(spread(0, &spread_near(&[0, 0, 1], 0, false), 0b1), None, "one core allowed");
+        assert_eq!(spread(3, &spread_near(&[0, 0, 1], 3, false), two), None, "a thread on a core it may not use");
+        assert_eq!(spread(70, &spread_near(&[0, 0, 1], 0, false), two), None, "a core beyond the mask");
+        assert_eq!(spread(0, &UNKNOWN, two), None, "nobody says where they run");
+    }
+
+    #[test]
+    fn a_spreading_move_waits_its_interval_after_any_move() {
+        let now = std::time::Instant::now();
+        let mut moves = CoreMoves::default();
+        assert_eq!(moves.spread(None, now), CoreMove::Stay);
+        assert_eq!(moves.spread(Some(1), now), CoreMove::Spread(1));
+        assert_eq!(moves.spread(Some(0), now + SPREAD_EVERY / 2), CoreMove::Stay, "too soon");
+        assert_eq!(moves.spread(Some(0), now + SPREAD_EVERY), CoreMove::Spread(0));
+    }
 
     #[test]
     fn where_the_peers_say_they_run_the_higher_rank_of_two_on_a_core_moves_and_nobody_else() {
         let now = std::time::Instant::now();
         let (on_time, shared) = (Duration::from_micros(1), Duration::from_micros(30));
         // This thread runs on core 1; the peers on cores 1 and 3.
-        let lower = Neighbours { known: true, lower_here: true, higher_here: false, cores: 0b1010, home: Home::None };
-        let higher = Neighbours { known: true, lower_here: false, higher_here: true, cores: 0b1010, home: Home::None };
-        let apart = Neighbours { known: true, lower_here: false, higher_here: false, cores: 0b1000, home: Home::None };
+        let lower = Neighbours {
+            known: true,
+            lower_here: true,
+            higher_here: false,
+            cores: 0b1010,
+            counts: [0; 64],
+            home: Home::None,
+        };
+        let higher = Neighbours {
+            known: true,
+            lower_here: false,
+            higher_here: true,
+            cores: 0b1010,
+            counts: [0; 64],
+            home: Home::None,
+        };
+        let apart = Neighbours {
+            known: true,
+            lower_here: false,
+            higher_here: false,
+            cores: 0b1000,
+            counts: [0; 64],
+            home: Home::None,
+        };
         let mut m = CoreMoves::default();
         assert_eq!(
             m.after_yield(now, shared, true, higher),
@@ -1366,8 +1540,22 @@ mod tests {
         assert_eq!(m.after_yield(hold, shared, true, at(Home::Away(1))), CoreMove::Stay);
         assert_eq!(m.on_check(later + AFTER_RETURN, at(Home::Away(1))), CoreMove::Home(1));
         // Where a peer says where its thread runs, that decides and the home does not.
-        let lower = Neighbours { known: true, lower_here: true, higher_here: false, cores: 0b10, home: Home::Here };
-        let higher = Neighbours { known: true, lower_here: false, higher_here: true, cores: 0b1, home: Home::Away(1) };
+        let lower = Neighbours {
+            known: true,
+            lower_here: true,
+            higher_here: false,
+            cores: 0b10,
+            counts: [0; 64],
+            home: Home::Here,
+        };
+        let higher = Neighbours {
+            known: true,
+            lower_here: false,
+            higher_here: true,
+            cores: 0b1,
+            counts: [0; 64],
+            home: Home::Away(1),
+        };
         let mut m = CoreMoves::default();
         assert_eq!(m.after_yield(now, shared, false, higher), CoreMove::Stay);
         assert_eq!(m.on_check(now, higher), CoreMove::Stay);
@@ -1395,6 +1583,70 @@ mod tests {
             } else {
                 assert_eq!(home_core(0), None, "this process may not use every core");
             }
+        })
+        .join()
+        .unwrap();
+    }
+
+    #[test]
+    fn a_thread_on_a_crowded_core_moves_to_the_emptier_one_at_most_once_an_interval() {
+        std::thread::spawn(|| {
+            let all = affinity();
+            // SAFETY: reads a mask this frame owns.
+            let allowed: Vec<usize> =
+                (0..libc::CPU_SETSIZE as usize).filter(|&c| unsafe { libc::CPU_ISSET(c, &all) }).collect();
+            assert!(allowed.len() >= 2, "this test needs two cores to move between");
+            // The thread may run on the first two only, as on a two-core host.
+            let allowed = [allowed[0], allowed[1]];
+            // SAFETY: sets the calling thread's mask to one this frame owns, of its true size.
+            let before = unsafe {
+                let mut two: libc::cpu_set_t = std::mem::zeroed();
+                libc::CPU_SET(allowed[0], &mut two);
+                libc::CPU_SET(allowed[1], &mut two);
+                assert_eq!(libc::sched_setaffinity(0, std::mem::size_of::<libc::cpu_set_t>(), &two), 0);
+                two
+            };
+            // SAFETY: compares two masks this frame owns.
+            let unpinned = || unsafe { libc::CPU_EQUAL(&affinity(), &before) };
+            // SAFETY: a plain call about the calling thread.
+            let here = || usize::try_from(unsafe { libc::sched_getcpu() }).unwrap();
+            // Two peers' threads on this thread's core and one on another: three to one. (The
+            // kernel may move the thread between the test's look and the check's: it tries
+            // again then.)
+            let moved = (0..20).find_map(|_| {
+                MOVES.set(CoreMoves::default());
+                SPREAD_CHECKED.set(None);
+                let from = here();
+                let other = *allowed.iter().find(|&&c| c != from)?;
+                let mut near = Neighbours { known: true, ..UNKNOWN };
+                near.counts[from] = 2;
+                near.counts[other] = 1;
+                let p = Near(std::sync::Mutex::new((near, Vec::new())));
+                let now = std::time::Instant::now();
+                spread_check(now, &p);
+                let told = p.0.lock().unwrap().1.len();
+                let left = MOVES.get().left?;
+                // Within the interval it neither looks nor moves again.
+                spread_check(now + SPREAD_EVERY / 2, &p);
+                let again = p.0.lock().unwrap().1.len();
+                Some((left, from, told, again))
+            });
+            let (left, from, told, again) = moved.expect("a thread on a crowded core moves");
+            assert_eq!(left, from, "it left the crowded core");
+            assert_eq!(told, 2, "it said where it ran, then where it runs now");
+            assert_eq!(again, told, "no second look within the interval");
+            assert!(unpinned(), "not kept on the new core");
+            // A peer's thread on each of the first two cores: on either, this one makes two and
+            // one, as even as three threads get. It looks and stays.
+            MOVES.set(CoreMoves::default());
+            SPREAD_CHECKED.set(None);
+            let mut near = Neighbours { known: true, ..UNKNOWN };
+            near.counts[allowed[0]] = 1;
+            near.counts[allowed[1]] = 1;
+            let p = Near(std::sync::Mutex::new((near, Vec::new())));
+            spread_check(std::time::Instant::now(), &p);
+            assert_eq!(p.0.lock().unwrap().1.len(), 1, "it looked");
+            assert_eq!(MOVES.get().moved, None, "an even split moves nobody");
         })
         .join()
         .unwrap();

@@ -62,7 +62,9 @@ pub struct TcpOptions {
     /// This host runs more ranks than it has cores (`LOCAL_WORLD_SIZE`, set by `cohort launch`,
     /// torchrun and `cohort bench`, says so): a polling thread then yields its core after
     /// every empty poll, as MPI does when oversubscribed, so that the rank whose frame it waits
-    /// for runs at once; otherwise it spins between yields 20 µs apart.
+    /// for runs at once, and moves to a less crowded core when its own holds more than its
+    /// share of the polling threads of the ranks it shares memory with; otherwise it spins
+    /// between yields 20 µs apart.
     pub oversubscribed: bool,
     /// On an oversubscribed host, the core the worker threads of the runtime that
     /// [`init_process_group`](super::init_process_group) builds ([`runtime`](super::runtime),

@@ -239,6 +239,7 @@ impl Gate {
             }
             if theirs < 64 {
                 near.cores |= 1 << theirs;
+                near.counts[theirs as usize] = near.counts[theirs as usize].saturating_add(1);
             }
         }
         near
@@ -559,6 +560,11 @@ mod tests {
         near(3, Some(1));
         let n0 = near(0, None);
         assert_eq!((n0.known, n0.lower_here, n0.higher_here, n0.cores), (true, false, false, 0b10));
+        assert_eq!(
+            (n0.counts[0], n0.counts[1], n0.counts.iter().map(|&c| u32::from(c)).sum::<u32>()),
+            (0, 2, 2),
+            "two threads on core 1; core 70 is beyond the counts"
+        );
         let n1 = near(1, Some(1));
         assert_eq!((n1.lower_here, n1.higher_here, n1.cores), (false, true, 0b10), "rank 3 is the one that moves");
         let n3 = near(3, Some(1));
@@ -569,6 +575,7 @@ mod tests {
         near(3, Some(0));
         let n1 = near(1, Some(1));
         assert_eq!((n1.lower_here, n1.higher_here, n1.cores), (false, false, 0b01), "only the peers' cores");
+        assert_eq!((n1.counts[0], n1.counts[1]), (1, 0), "only the peers' threads");
         for pg in pgs {
             pg.shutdown();
         }
