@@ -553,7 +553,7 @@ const SPREAD_EVERY: Duration = Duration::from_millis(1);
 /// split three to one for 60 ms and more, the lone thread keeping a core to itself while the
 /// other three took turns, which made a 1 MiB allreduce about a quarter slower
 /// (`docs/performance.md`, "four ranks' threads split three to one").
-pub(crate) fn spread(core: u32, near: &Neighbours, allowed: u64) -> Option<usize> {
+fn spread(core: u32, near: &Neighbours, allowed: u64) -> Option<usize> {
     let core = usize::try_from(core).ok().filter(|&c| c < 64 && allowed >> c & 1 == 1)?;
     let cores = allowed.count_ones() as usize;
     if !near.known || near.higher_here || cores < 2 {
