@@ -1291,30 +1291,9 @@ mod tests {
     #[test]
     fn a_check_says_the_core_is_shared_unless_a_peer_says_it_runs_elsewhere_or_this_thread_moved() {
         std::thread::spawn(|| {
-            let apart = Neighbours {
-                known: true,
-                lower_here: false,
-                higher_here: false,
-                cores: 0,
-                counts: [0; 64],
-                home: Home::None,
-            };
-            let higher = Neighbours {
-                known: true,
-                lower_here: false,
-                higher_here: true,
-                cores: 0,
-                counts: [0; 64],
-                home: Home::None,
-            };
-            let lower = Neighbours {
-                known: true,
-                lower_here: true,
-                higher_here: false,
-                cores: 0,
-                counts: [0; 64],
-                home: Home::None,
-            };
+            let apart = Neighbours { known: true, ..UNKNOWN };
+            let higher = Neighbours { known: true, higher_here: true, ..UNKNOWN };
+            let lower = Neighbours { known: true, lower_here: true, ..UNKNOWN };
             for (near, want) in [(UNKNOWN, true), (apart, false), (higher, true)] {
                 let p = Near(std::sync::Mutex::new((near, Vec::new())));
                 assert_eq!(check_core(&p), want, "{near:?}");
@@ -1446,30 +1425,9 @@ mod tests {
         let now = std::time::Instant::now();
         let (on_time, shared) = (Duration::from_micros(1), Duration::from_micros(30));
         // This thread runs on core 1; the peers on cores 1 and 3.
-        let lower = Neighbours {
-            known: true,
-            lower_here: true,
-            higher_here: false,
-            cores: 0b1010,
-            counts: [0; 64],
-            home: Home::None,
-        };
-        let higher = Neighbours {
-            known: true,
-            lower_here: false,
-            higher_here: true,
-            cores: 0b1010,
-            counts: [0; 64],
-            home: Home::None,
-        };
-        let apart = Neighbours {
-            known: true,
-            lower_here: false,
-            higher_here: false,
-            cores: 0b1000,
-            counts: [0; 64],
-            home: Home::None,
-        };
+        let lower = Neighbours { known: true, lower_here: true, cores: 0b1010, ..UNKNOWN };
+        let higher = Neighbours { known: true, higher_here: true, cores: 0b1010, ..UNKNOWN };
+        let apart = Neighbours { known: true, cores: 0b1000, ..UNKNOWN };
         let mut m = CoreMoves::default();
         assert_eq!(
             m.after_yield(now, shared, true, higher),
@@ -1540,22 +1498,8 @@ mod tests {
         assert_eq!(m.after_yield(hold, shared, true, at(Home::Away(1))), CoreMove::Stay);
         assert_eq!(m.on_check(later + AFTER_RETURN, at(Home::Away(1))), CoreMove::Home(1));
         // Where a peer says where its thread runs, that decides and the home does not.
-        let lower = Neighbours {
-            known: true,
-            lower_here: true,
-            higher_here: false,
-            cores: 0b10,
-            counts: [0; 64],
-            home: Home::Here,
-        };
-        let higher = Neighbours {
-            known: true,
-            lower_here: false,
-            higher_here: true,
-            cores: 0b1,
-            counts: [0; 64],
-            home: Home::Away(1),
-        };
+        let lower = Neighbours { known: true, lower_here: true, cores: 0b10, home: Home::Here, ..UNKNOWN };
+        let higher = Neighbours { known: true, higher_here: true, cores: 0b1, home: Home::Away(1), ..UNKNOWN };
         let mut m = CoreMoves::default();
         assert_eq!(m.after_yield(now, shared, false, higher), CoreMove::Stay);
         assert_eq!(m.on_check(now, higher), CoreMove::Stay);
