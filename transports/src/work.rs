@@ -1513,9 +1513,7 @@ mod tests {
             // SAFETY: reads a mask this frame owns, and a plain query.
             let (count, online) =
                 unsafe { (libc::CPU_COUNT(&before) as usize, libc::sysconf(libc::_SC_NPROCESSORS_ONLN) as usize) };
-            // SAFETY: reads a mask this frame owns.
-            let allowed: Vec<usize> =
-                (0..libc::CPU_SETSIZE as usize).filter(|&c| unsafe { libc::CPU_ISSET(c, &before) }).collect();
+            let allowed = cores_in(&before);
             if count == online && count > 1 {
                 for slot in 0..count {
                     assert_eq!(home_core(slot), Some(allowed[slot]), "slot {slot} of {allowed:?}");
@@ -1536,9 +1534,7 @@ mod tests {
     fn a_thread_on_a_crowded_core_moves_to_the_emptier_one_at_most_once_an_interval() {
         std::thread::spawn(|| {
             let all = affinity();
-            // SAFETY: reads a mask this frame owns.
-            let allowed: Vec<usize> =
-                (0..libc::CPU_SETSIZE as usize).filter(|&c| unsafe { libc::CPU_ISSET(c, &all) }).collect();
+            let allowed = cores_in(&all);
             assert!(allowed.len() >= 2, "this test needs two cores to move between");
             // The thread may run on the first two only, as on a two-core host.
             let allowed = [allowed[0], allowed[1]];
@@ -1600,9 +1596,7 @@ mod tests {
     fn a_wait_away_from_its_ranks_core_starts_there() {
         std::thread::spawn(|| {
             let before = affinity();
-            // SAFETY: reads a mask this frame owns.
-            let allowed: Vec<usize> =
-                (0..libc::CPU_SETSIZE as usize).filter(|&c| unsafe { libc::CPU_ISSET(c, &before) }).collect();
+            let allowed = cores_in(&before);
             let [first, second, ..] = allowed[..] else { return };
             // SAFETY: compares two masks this frame owns.
             let unpinned = || unsafe { libc::CPU_EQUAL(&affinity(), &before) };
@@ -1671,6 +1665,12 @@ mod tests {
         }
     }
 
+    /// The cores in `mask`, in order.
+    fn cores_in(mask: &libc::cpu_set_t) -> Vec<usize> {
+        // SAFETY: reads a mask the caller owns; every index is below its size.
+        (0..libc::CPU_SETSIZE as usize).filter(|&c| unsafe { libc::CPU_ISSET(c, mask) }).collect()
+    }
+
     fn affinity() -> libc::cpu_set_t {
         // SAFETY: reads the calling thread's mask into one it owns.
         unsafe {
@@ -1727,9 +1727,7 @@ mod tests {
         for slot in [0, 1, 2, 5] {
             std::thread::spawn(move || {
                 let before = affinity();
-                // SAFETY: reads masks this frame owns.
-                let allowed: Vec<usize> =
-                    (0..libc::CPU_SETSIZE as usize).filter(|&c| unsafe { libc::CPU_ISSET(c, &before) }).collect();
+                let allowed = cores_in(&before);
                 let core = keep_to_core(slot);
                 let after = affinity();
                 if allowed.len() > 1 {
