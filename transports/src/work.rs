@@ -179,8 +179,8 @@ pub(crate) trait Progress: Send + Sync {
     fn stop(&self, finished: bool);
     /// Someone (a thread, a task) starts waiting for the runtime to finish a work.
     fn sleep(&self);
-    /// It stopped waiting after `time`; `polled`: it had polled for all the time granted before.
-    fn woke(&self, time: Duration, polled: bool);
+    /// It stopped waiting after `time`; `polled`: how it polled before (nothing if it did not).
+    fn woke(&self, time: Duration, polled: Polled);
     /// Someone waits for a work or asks about it: send what the group holds back now (a work
     /// may need this rank's own frames to end; see the TCP backend's `Corks`).
     fn flush(&self);
@@ -195,6 +195,16 @@ pub(crate) trait Progress: Send + Sync {
     fn home(&self) -> Option<usize> {
         None
     }
+}
+
+/// How a waiting thread's poll went before it slept, for [`Progress::woke`].
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub(crate) struct Polled {
+    /// It polled for all the time granted (a look that found another thread polling cuts
+    /// the poll short, and the time says nothing then).
+    pub(crate) spent: bool,
+    /// Some look delivered frames: the work, or another, moved on while it polled.
+    pub(crate) moved: bool,
 }
 
 /// Where the polling threads of a rank's peers run, as they said last (over shared memory:
@@ -799,7 +809,7 @@ impl Shared {
         }
         wakers.into_iter().for_each(Waker::wake);
         if relied && let Some((p, _)) = self.progress.get() {
-            p.woke(Duration::ZERO, false);
+            p.woke(Duration::ZERO, Polled::default());
         }
     }
 }
@@ -922,11 +932,11 @@ impl Work {
     /// scheduler's tick while the frame it waits for could not be sent (whole iterations of a
     /// millisecond and more); on a core nobody else wants the yield returns at once, and
     /// spinning in between keeps the reaction to an arriving frame as quick as it can be.
-    fn busy_poll(&self, progress: &ProgressFn) -> bool {
+    fn busy_poll(&self, progress: &ProgressFn) -> Polled {
         if self.ended() {
             // Already over (all but the first of a batch of works, usually): no poller
             // bookkeeping, no clock.
-            return false;
+            return Polled::default();
         }
         let budget = progress.begin();
         let yield_every = progress.yield_every();
@@ -935,13 +945,15 @@ impl Work {
         }
         let start = std::time::Instant::now();
         // A zero budget still looks once: what the thread waits for has often arrived.
-        let mut spent = !budget.is_zero();
+        let mut polled = Polled { spent: !budget.is_zero(), moved: false };
         let mut first = true;
         let mut next_yield = start + turns(start, yield_every);
         loop {
             let delivered = progress.poll(std::mem::take(&mut first));
-            if delivered.is_none() {
-                spent = false;
+            match delivered {
+                None => polled.spent = false,
+                Some(true) => polled.moved = true,
+                Some(false) => {}
             }
             let now = std::time::Instant::now();
             if self.ended() || now.duration_since(start) >= budget {
@@ -968,7 +980,7 @@ impl Work {
             }
         }
         progress.stop(self.ended());
-        spent
+        polled
     }
 
     /// Send what the group holds back (see [`Progress::flush`]).
@@ -984,7 +996,7 @@ impl Work {
         let progress = self.shared.progress.get();
         let polled = match progress {
             Some((progress, true)) => self.busy_poll(progress),
-            _ => false,
+            _ => Polled::default(),
         };
         let mut slot = self.shared.lock();
         if slot.summary.is_some() || slot.dropped {
@@ -1035,7 +1047,7 @@ impl Work {
         };
         drop(slot);
         if let Some((p, since)) = asleep {
-            p.woke(since.elapsed(), false);
+            p.woke(since.elapsed(), Polled::default());
         }
         outcome
     }
@@ -1263,7 +1275,7 @@ mod tests {
         }
         fn stop(&self, _finished: bool) {}
         fn sleep(&self) {}
-        fn woke(&self, _time: Duration, _polled: bool) {}
+        fn woke(&self, _time: Duration, _polled: Polled) {}
         fn flush(&self) {}
     }
 
@@ -1279,7 +1291,7 @@ mod tests {
         }
         fn stop(&self, _finished: bool) {}
         fn sleep(&self) {}
-        fn woke(&self, _time: Duration, _polled: bool) {}
+        fn woke(&self, _time: Duration, _polled: Polled) {}
         fn flush(&self) {}
         fn polls_on(&self, core: u32) -> Neighbours {
             let mut g = self.0.lock().unwrap();
@@ -1757,6 +1769,58 @@ mod tests {
         work.set_progress(recorder.clone(), true);
         work.wait().unwrap();
         assert_eq!(*recorder.firsts.lock().unwrap(), vec![true, false, false]);
+    }
+
+    /// How a [`Scripted`] answers the `n`th poll of a wait (from 1).
+    type Answer = fn(usize) -> Option<bool>;
+
+    /// Answers each poll of a wait as `answer` says (by the poll's number), and keeps what the
+    /// waiter said when it woke.
+    struct Scripted {
+        answer: Answer,
+        polls: Mutex<usize>,
+        woke: Mutex<Vec<Polled>>,
+    }
+
+    impl Progress for Scripted {
+        fn begin(&self) -> Duration {
+            Duration::from_millis(2)
+        }
+        fn poll(&self, _first: bool) -> Option<bool> {
+            let mut polls = self.polls.lock().unwrap();
+            *polls += 1;
+            (self.answer)(*polls)
+        }
+        fn stop(&self, _finished: bool) {}
+        fn sleep(&self) {}
+        fn woke(&self, _time: Duration, polled: Polled) {
+            self.woke.lock().unwrap().push(polled);
+        }
+        fn flush(&self) {}
+    }
+
+    /// A waiter that polled its whole time and then slept says whether a look delivered
+    /// frames (the transport keeps its polling time then); one that found another thread
+    /// polling says it did not spend its time.
+    #[test]
+    fn a_waiter_that_slept_says_whether_its_poll_delivered_anything() {
+        let cases: [(Answer, Polled); 4] = [
+            (|_| Some(false), Polled { spent: true, moved: false }),
+            (|n| Some(n == 1), Polled { spent: true, moved: true }),
+            (|n| Some(n == 5), Polled { spent: true, moved: true }),
+            (|n| if n == 1 { None } else { Some(true) }, Polled { spent: false, moved: true }),
+        ];
+        for (i, (answer, want)) in cases.into_iter().enumerate() {
+            let (work, completer) = Work::pending(WorkId(1), SeqNo(1), OpType::Allreduce, None);
+            let progress = Arc::new(Scripted { answer, polls: Mutex::new(0), woke: Mutex::new(Vec::new()) });
+            work.set_progress(progress.clone(), true);
+            let waiter = work.clone();
+            let t = std::thread::spawn(move || waiter.wait());
+            until_asleep(&work, 1);
+            completer.finish(WorkResult::Success, finished_lifecycle(WorkState::Completed), Vec::new());
+            t.join().unwrap().unwrap();
+            assert_eq!(*progress.woke.lock().unwrap(), vec![want], "case {i}");
+        }
     }
 
     #[test]

@@ -1682,7 +1682,7 @@ impl<D: Device> crate::work::Progress for WaitPoller<D> {
 
     fn sleep(&self) {}
 
-    fn woke(&self, _time: Duration, _polled: bool) {}
+    fn woke(&self, _time: Duration, _polled: crate::work::Polled) {}
 
     fn flush(&self) {}
 }

@@ -134,8 +134,14 @@ pub(crate) struct Inner {
 /// [`MAX_POLL_FACTOR`] times [`TcpOptions::busy_poll`]) would have done better to poll on: its
 /// sleep cost two wake-ups, and on a busy host the wake-ups are what is slow (the peer, polling
 /// meanwhile, gives up in turn, and the two ranks take turns sleeping, each wake-up taking
-/// longer than the setting). Such a sleep doubles the time, up to that cap; a longer sleep
-/// halves it, down to the setting. A work that ends while its thread polls changes nothing.
+/// longer than the setting). Such a sleep doubles the time, up to that cap. A longer sleep
+/// after a poll that heard nothing (the peers are late or silent) halves it, down to the
+/// setting. A longer sleep after a poll that delivered frames leaves it as it is: the work was
+/// moving, only slowly (a large collective of ranks sharing cores, or a job's first
+/// collectives, whose buffers are new), and a shorter poll hands the rest of such works to the
+/// reader tasks, whose hand-offs between tasks make them slower still, which keeps the time
+/// short (`docs/performance.md`, "The four-rank bulk slow start"). A work that ends while its
+/// thread polls changes nothing.
 ///
 /// It starts at the cap. A job's first waits are where its ranks are least in step: a rank
 /// that slept in the barrier before the first collective wakes 50–300 µs after its peer on a
@@ -156,12 +162,15 @@ impl Polling {
         Polling { active: 0, sleepers: 0, last_finished: None, base, budget: base * MAX_POLL_FACTOR }
     }
 
-    fn adapt(&mut self, slept: std::time::Duration) {
-        self.budget = if slept < self.base * MAX_POLL_FACTOR {
-            (self.budget * 2).min(self.base * MAX_POLL_FACTOR)
-        } else {
-            (self.budget / 2).max(self.base)
-        };
+    /// A thread that had polled for all its time (`moved`: and delivered frames meanwhile)
+    /// woke after sleeping `slept`.
+    fn adapt(&mut self, slept: std::time::Duration, moved: bool) {
+        let cap = self.base * MAX_POLL_FACTOR;
+        if slept < cap {
+            self.budget = (self.budget * 2).min(cap);
+        } else if !moved {
+            self.budget = (self.budget / 2).max(self.base);
+        }
     }
 
     /// Whether the reader tasks must listen now: someone sleeps and nobody polls for them.
@@ -242,12 +251,12 @@ impl crate::work::Progress for Poller {
         }
     }
 
-    fn woke(&self, time: std::time::Duration, polled: bool) {
+    fn woke(&self, time: std::time::Duration, polled: crate::work::Polled) {
         let Some(inner) = self.inner.upgrade() else { return };
         let mut p = inner.polls();
         p.sleepers = p.sleepers.saturating_sub(1);
-        if polled {
-            p.adapt(time);
+        if polled.spent {
+            p.adapt(time, polled.moved);
         }
     }
 
@@ -887,24 +896,42 @@ mod tests {
         let base = Duration::from_micros(50);
         let mut p = Polling::new(base);
         assert_eq!(p.budget, base * MAX_POLL_FACTOR, "it starts at the cap");
-        p.adapt(base * MAX_POLL_FACTOR);
-        p.adapt(base * MAX_POLL_FACTOR);
+        p.adapt(base * MAX_POLL_FACTOR, false);
+        p.adapt(base * MAX_POLL_FACTOR, false);
         assert_eq!(p.budget, base * MAX_POLL_FACTOR / 4, "sleeps as long as the cap halve it");
-        p.adapt(base * 4);
+        p.adapt(base * 4, false);
         assert_eq!(p.budget, base * MAX_POLL_FACTOR / 2, "a sleep shorter than the cap doubles it");
         for _ in 0..10 {
-            p.adapt(Duration::ZERO);
+            p.adapt(Duration::ZERO, false);
         }
         assert_eq!(p.budget, base * MAX_POLL_FACTOR, "up to the cap");
-        p.adapt(base * MAX_POLL_FACTOR);
+        p.adapt(base * MAX_POLL_FACTOR, false);
         assert_eq!(p.budget, base * MAX_POLL_FACTOR / 2, "a sleep as long as the cap halves it");
         for _ in 0..10 {
-            p.adapt(Duration::from_secs(1));
+            p.adapt(Duration::from_secs(1), false);
         }
         assert_eq!(p.budget, base, "down to the setting");
         let mut off = Polling::new(Duration::ZERO);
-        off.adapt(Duration::ZERO);
+        off.adapt(Duration::ZERO, false);
         assert_eq!(off.budget, Duration::ZERO, "polling that is off stays off");
+    }
+
+    /// A long sleep after a poll that delivered frames (a slow work, not a silent peer) leaves
+    /// the time as it is, at the cap or below it; a short one still doubles it.
+    #[test]
+    fn a_long_sleep_after_a_poll_that_moved_the_work_on_keeps_the_polling_time() {
+        let base = Duration::from_micros(50);
+        let mut p = Polling::new(base);
+        for _ in 0..10 {
+            p.adapt(Duration::from_millis(20), true);
+        }
+        assert_eq!(p.budget, base * MAX_POLL_FACTOR, "slow works that moved keep the cap");
+        p.adapt(Duration::from_secs(1), false);
+        assert_eq!(p.budget, base * MAX_POLL_FACTOR / 2, "a silent wait halves it");
+        p.adapt(Duration::from_secs(1), true);
+        assert_eq!(p.budget, base * MAX_POLL_FACTOR / 2, "and a moving one keeps what is left");
+        p.adapt(Duration::ZERO, true);
+        assert_eq!(p.budget, base * MAX_POLL_FACTOR, "a short sleep doubles it as before");
     }
 
     /// A collective that receives large chunks finds buffers for all of it held by the pool
