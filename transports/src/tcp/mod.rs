@@ -141,8 +141,8 @@ pub(crate) struct Inner {
 /// collectives, whose buffers are new), and a shorter poll hands the rest of such works to the
 /// reader tasks, whose hand-offs between tasks make them slower still, which keeps the time
 /// short (`docs/performance.md`, "The four-rank bulk slow start"). The price is paid where one
-/// peer is late at every collective while the others' frames come: each such wait polls the
-/// cap. A work that ends while its thread polls changes nothing.
+/// peer is late at every collective while the others' frames come: each such wait may poll
+/// up to the cap. A work that ends while its thread polls changes nothing.
 ///
 /// It starts at the cap. A job's first waits are where its ranks are least in step: a rank
 /// that slept in the barrier before the first collective wakes 50–300 µs after its peer on a
