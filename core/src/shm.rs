@@ -540,6 +540,32 @@ impl Producer {
         Ok(wrote)
     }
 
+    /// Write all of `frame` or none of it, and publish it: into the box when it fits one and a
+    /// slot is free, else into the ring when it has room for the whole. True if it went.
+    /// [`Producer::write`] of one buffer that went whole leaves the same; a sender that must not
+    /// leave part of a frame behind (its rest would have to be queued) takes this instead.
+    pub fn write_whole(&mut self, frame: &[u8]) -> Result<bool, ShmError> {
+        if (1..=BOX_BYTES).contains(&frame.len()) && self.box_free()? {
+            let (seg, dir, count) = (&self.seg, self.dir, self.box_next);
+            let slot = seg.slot(dir, count);
+            // SAFETY: `SLOT_BYTES + frame.len() <= SLOT_LEN` (at most `BOX_BYTES`), inside this
+            // slot, which belongs to the producer until it stores the stamp.
+            unsafe { std::ptr::copy_nonoverlapping(frame.as_ptr(), slot.add(SLOT_BYTES), frame.len()) };
+            seg.slot_len(dir, count).store(frame.len() as u32, Ordering::Relaxed);
+            seg.slot_pos(dir, count).store(self.tail, Ordering::Relaxed);
+            seg.stamp(dir, count).store(stamp_of(count), Ordering::Release);
+            self.box_next = count + 1;
+            return Ok(true);
+        }
+        if self.room_after(self.head_seen) < frame.len() {
+            self.head_seen = self.head()?;
+            if self.room_after(self.head_seen) < frame.len() {
+                return Ok(false);
+            }
+        }
+        Ok(self.write([frame])? == frame.len())
+    }
+
     /// After a write: whether the consumer asked for a doorbell (the request is taken, so
     /// exactly one writer rings for it).
     pub fn take_data_request(&self) -> bool {
@@ -953,6 +979,46 @@ mod tests {
         let mut want = vec![1u8; 4096];
         want.extend(2..BOX_SLOTS as u8 + 2);
         assert_eq!(all, want, "the ring's bytes, then the box's, as written");
+    }
+
+    #[test]
+    fn a_whole_write_goes_all_or_nothing_in_the_stream_order_of_the_others() {
+        let (mut p, mut c, _seg) = pair(4096);
+        let chunk = |i: usize, len: usize| -> Vec<u8> { (0..len).map(|j| (i * 31 + j) as u8).collect() };
+        let mut sent = Vec::new();
+        // Whole writes into the box and the ring, between split ones.
+        for (i, (len, whole)) in
+            [(44, true), (100, false), (48, true), (49, true), (3, false), (2000, true)].into_iter().enumerate()
+        {
+            let bytes = chunk(i, len);
+            if whole {
+                assert!(p.write_whole(&bytes).unwrap(), "write {i}");
+            } else {
+                assert_eq!(p.write([&bytes[..1], &bytes[1..]]).unwrap(), len);
+            }
+            sent.extend_from_slice(&bytes);
+        }
+        // Too little room in the ring for a whole frame: nothing of it goes (a split write
+        // would have taken part).
+        let room = p.free().unwrap();
+        assert!(!p.write_whole(&vec![9u8; room + 1]).unwrap(), "no room for all of it");
+        assert_eq!(p.free().unwrap(), room, "and nothing of it was written");
+        let mut out = vec![0u8; 8192];
+        let mut got = Vec::new();
+        while let Ok(n @ 1..) = c.read(&mut out) {
+            got.extend_from_slice(&out[..n]);
+        }
+        assert_eq!(got, sent);
+        // A full box and a full ring take no whole write, and a freed slot takes one again.
+        assert!(p.write_whole(&vec![1u8; 4096]).unwrap());
+        for i in 0..BOX_SLOTS as u8 {
+            assert!(p.write_whole(&[i; 40]).unwrap(), "box entry {i}");
+        }
+        assert!(!p.write_whole(&[7u8; 40]).unwrap(), "box and ring full");
+        let mut ring = vec![0u8; 4096];
+        assert_eq!(c.read(&mut ring).unwrap(), 4096);
+        assert_eq!(c.read(&mut out[..40]).unwrap(), 40);
+        assert!(p.write_whole(&[7u8; 40]).unwrap(), "a slot was read");
     }
 
     #[test]

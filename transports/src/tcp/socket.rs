@@ -819,6 +819,21 @@ impl ShmWire {
 }
 
 impl Wire for ShmWire {
+    /// A ring the peer corrupted writes nothing here: the usual write meets the error and
+    /// reports it.
+    fn try_write_whole(&self, frame: &[u8]) -> bool {
+        let mut out = self.producer();
+        if !matches!(out.write_whole(frame), Ok(true)) {
+            return false;
+        }
+        let ring = out.take_data_request();
+        drop(out);
+        if ring {
+            self.doorbell();
+        }
+        true
+    }
+
     fn try_write(&self, bufs: &[io::IoSlice<'_>]) -> io::Result<usize> {
         let mut out = self.producer();
         let n = out

@@ -20,7 +20,7 @@ use cohort_core::group::{
     WorkSummary,
 };
 use cohort_core::p2p::Matcher;
-use cohort_core::protocol::{Fingerprint, FrameHeader, FrameKind, decode_control, encode_control};
+use cohort_core::protocol::{Fingerprint, FrameHeader, FrameKind, HEADER_LEN, decode_control, encode_control};
 use cohort_core::schedule::PlanCache;
 use cohort_core::tensor::Tensor;
 use cohort_core::work::{Blame, GroupId, Rank, SeqNo, WorkId};
@@ -1156,11 +1156,30 @@ impl ExchangeFrame {
         let mut header = FrameHeader::data(self.gid, self.seq, self.step, self.from, tensor.nbytes() as u64);
         header.tag = self.tag;
         let id = self.id;
+        let Some(lane) = writers.get(&self.to).and_then(|l| l.lane_for(&header, tensor.nbytes())) else {
+            return Sent::Gone;
+        };
+        let payload = tensor.bytes();
+        // A frame that fits a shared-memory box slot is built whole here and written in one
+        // piece where nothing is ahead of it.
+        let mut frame = [0u8; HEADER_LEN + SMALL_FRAME_PAYLOAD];
+        if let Some((head, rest)) = frame.split_first_chunk_mut::<HEADER_LEN>()
+            && let Some(body) = rest.get_mut(..payload.len())
+        {
+            header.encode_into(head);
+            body.copy_from_slice(payload);
+            if lane.try_write_whole(&frame[..HEADER_LEN + payload.len()], &mode) {
+                return Sent::Written;
+            }
+        }
         let written = || Some(super::link::Written { id, hook: on_written.0.clone() });
-        let lane = writers.get(&self.to).and_then(|l| l.lane_for(&header, tensor.nbytes()));
-        lane.map_or(Sent::Gone, |l| l.send_slice(header, tensor.bytes(), written, mode, |b| pool.bytes(b)))
+        lane.send_slice(header, payload, written, mode, |b| pool.bytes(b))
     }
 }
+
+/// The largest payload [`ExchangeFrame::send`] builds a whole frame of on the stack: one whose
+/// frame fits a shared-memory box slot ([`cohort_core::shm::BOX_BYTES`]).
+const SMALL_FRAME_PAYLOAD: usize = cohort_core::shm::BOX_BYTES - HEADER_LEN;
 
 /// The most exchanges a chain may have ([`Chain`]): a world of 64 ranks.
 pub(crate) const MAX_CHAIN: usize = 6;

@@ -163,6 +163,22 @@ impl LaneTx {
         self.send_slice(header, &payload, || written, mode, |rest| payload.slice(payload.len() - rest.len()..))
     }
 
+    /// Write `frame` (a whole frame's bytes, header first) now and whole, where `mode` lets the
+    /// sender write, nothing is queued or held back ahead of it, and the connection's wire takes
+    /// all of it at once ([`Wire::try_write_whole`]): true if it went. False leaves nothing
+    /// written, for [`LaneTx::send_slice`] to send it as it sends any frame. A small frame's
+    /// shortest way out: one lock of the gate, no vector of slices, no partial write to queue.
+    pub(crate) fn try_write_whole(&self, frame: &[u8], mode: &SendMode) -> bool {
+        if !mode.direct || mode.cork.is_some() {
+            return false;
+        }
+        let g = self.gate.lock();
+        g.queued == 0
+            && g.cork.is_empty()
+            && !self.tx.is_closed()
+            && g.socket.as_ref().is_some_and(|socket| socket.try_write_whole(frame))
+    }
+
     /// Send `header` and `payload` as `mode` allows, if nothing is queued ahead of them: held
     /// back if `mode.cork` and the connection's held-back bytes stay within [`CORK_LIMIT`], else
     /// written now if `mode.direct` (straight from the caller's memory, after what was held
@@ -222,6 +238,13 @@ impl LaneTx {
 pub(crate) trait Wire: Send + Sync + std::fmt::Debug {
     /// Write as much of `bufs` as fits now (0, or `WouldBlock`, when nothing does).
     fn try_write(&self, bufs: &[io::IoSlice<'_>]) -> io::Result<usize>;
+
+    /// Write all of `frame` now, or nothing: true if it went. A wire that cannot promise one or
+    /// the other (a socket may take part of a write) writes nothing and says false.
+    fn try_write_whole(&self, frame: &[u8]) -> bool {
+        let _ = frame;
+        false
+    }
 }
 
 impl Wire for std::net::TcpStream {
@@ -343,6 +366,53 @@ mod tests {
         assert_eq!(lanes.send(frame(FrameKind::Data, big), SendMode::QUEUE), Sent::Queued);
         let counts: Vec<usize> = rxs.iter_mut().map(|r| std::iter::from_fn(|| r.rx.try_recv().ok()).count()).collect();
         assert_eq!(counts, vec![1, 0]);
+    }
+
+    /// A wire that takes whole writes while `open`, and keeps what it took.
+    #[derive(Debug, Default)]
+    struct Whole {
+        open: std::sync::atomic::AtomicBool,
+        took: Mutex<Vec<Vec<u8>>>,
+    }
+
+    impl Wire for Whole {
+        fn try_write(&self, _: &[io::IoSlice<'_>]) -> io::Result<usize> {
+            Ok(0)
+        }
+
+        fn try_write_whole(&self, frame: &[u8]) -> bool {
+            let open = self.open.load(std::sync::atomic::Ordering::Relaxed);
+            if open {
+                self.took.lock().unwrap().push(frame.to_vec());
+            }
+            open
+        }
+    }
+
+    #[test]
+    fn a_whole_frame_is_written_at_once_only_where_nothing_is_ahead_of_it_and_the_wire_takes_it() {
+        let (tx, mut rx) = lane();
+        let wire = Arc::new(Whole::default());
+        let bytes = |i: u8| vec![i; 44];
+        assert!(!tx.try_write_whole(&bytes(0), &SendMode::DIRECT), "no wire to write to yet");
+        tx.gate.open(wire.clone());
+        assert!(!tx.try_write_whole(&bytes(1), &SendMode::DIRECT), "the wire refuses");
+        wire.open.store(true, std::sync::atomic::Ordering::Relaxed);
+        assert!(tx.try_write_whole(&bytes(2), &SendMode::DIRECT));
+        assert!(!tx.try_write_whole(&bytes(3), &SendMode::QUEUE), "the mode does not let the sender write");
+        // A frame queued for the writer task: nothing is written past it until it is written.
+        assert_eq!(tx.send(frame(FrameKind::Data, 16), SendMode::QUEUE), Sent::Queued);
+        assert!(!tx.try_write_whole(&bytes(4), &SendMode::DIRECT), "a frame is queued ahead");
+        assert!(rx.rx.try_recv().is_ok());
+        rx.gate.written(1);
+        assert!(tx.try_write_whole(&bytes(5), &SendMode::DIRECT));
+        // Bytes held back go first: the frame takes the usual way behind them.
+        tx.gate.lock().cork.extend_from_slice(&bytes(6));
+        assert!(!tx.try_write_whole(&bytes(7), &SendMode::DIRECT), "bytes are held back ahead");
+        tx.gate.lock().cork.clear();
+        drop(rx);
+        assert!(!tx.try_write_whole(&bytes(8), &SendMode::DIRECT), "the writer task is gone");
+        assert_eq!(*wire.took.lock().unwrap(), vec![bytes(2), bytes(5)]);
     }
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
