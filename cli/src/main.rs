@@ -5,14 +5,11 @@ use std::process::ExitCode;
 use clap::error::ErrorKind;
 use clap::{Parser, Subcommand};
 
-/// The `cohort` binary allocates with mimalloc. glibc's allocator hands freed large blocks back
-/// to the kernel, so a rank would fault fresh, zeroed pages in on every large collective, and
-/// its small allocations are a visible share of a small work's cost. mimalloc keeps both down
-/// at the price of a somewhat larger resident set (figures in `docs/performance.md`). A
-/// program that embeds the library picks its own allocator.
+/// The `cohort` binary allocates with mimalloc (see [`alloc`]).
 #[global_allocator]
-static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
+static GLOBAL: alloc::Mimalloc = alloc::Mimalloc;
 
+mod alloc;
 mod bench;
 mod demo;
 mod fr;
