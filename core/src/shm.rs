@@ -490,19 +490,7 @@ impl Producer {
         let bufs = bufs.into_iter();
         let want: usize = bufs.clone().map(<[u8]>::len).sum();
         if (1..=BOX_BYTES).contains(&want) && self.box_free()? {
-            let (seg, dir, count) = (&self.seg, self.dir, self.box_next);
-            let slot = seg.slot(dir, count);
-            let mut at = SLOT_BYTES;
-            for buf in bufs {
-                // SAFETY: `at + buf.len() <= SLOT_LEN` (the lengths sum to at most `BOX_BYTES`),
-                // inside this slot, which belongs to the producer until it stores the stamp.
-                unsafe { std::ptr::copy_nonoverlapping(buf.as_ptr(), slot.add(at), buf.len()) };
-                at += buf.len();
-            }
-            seg.slot_len(dir, count).store(want as u32, Ordering::Relaxed);
-            seg.slot_pos(dir, count).store(self.tail, Ordering::Relaxed);
-            seg.stamp(dir, count).store(stamp_of(count), Ordering::Release);
-            self.box_next = count + 1;
+            self.put_in_box(bufs, want);
             return Ok(want);
         }
         let mut room = self.room_after(self.head_seen);
@@ -546,15 +534,7 @@ impl Producer {
     /// leave part of a frame behind (its rest would have to be queued) takes this instead.
     pub fn write_whole(&mut self, frame: &[u8]) -> Result<bool, ShmError> {
         if (1..=BOX_BYTES).contains(&frame.len()) && self.box_free()? {
-            let (seg, dir, count) = (&self.seg, self.dir, self.box_next);
-            let slot = seg.slot(dir, count);
-            // SAFETY: `SLOT_BYTES + frame.len() <= SLOT_LEN` (at most `BOX_BYTES`), inside this
-            // slot, which belongs to the producer until it stores the stamp.
-            unsafe { std::ptr::copy_nonoverlapping(frame.as_ptr(), slot.add(SLOT_BYTES), frame.len()) };
-            seg.slot_len(dir, count).store(frame.len() as u32, Ordering::Relaxed);
-            seg.slot_pos(dir, count).store(self.tail, Ordering::Relaxed);
-            seg.stamp(dir, count).store(stamp_of(count), Ordering::Release);
-            self.box_next = count + 1;
+            self.put_in_box([frame], frame.len());
             return Ok(true);
         }
         if self.room_after(self.head_seen) < frame.len() {
@@ -564,6 +544,26 @@ impl Producer {
             }
         }
         Ok(self.write([frame])? == frame.len())
+    }
+
+    /// Write `bufs`, `want` bytes in all (1 to [`BOX_BYTES`]), as the next box entry, standing
+    /// at the ring's present position, and publish it. The caller has found a slot free.
+    #[inline]
+    fn put_in_box<'a>(&mut self, bufs: impl IntoIterator<Item = &'a [u8]>, want: usize) {
+        let (seg, dir, count) = (&self.seg, self.dir, self.box_next);
+        let slot = seg.slot(dir, count);
+        let mut at = SLOT_BYTES;
+        for buf in bufs {
+            // SAFETY: `at + buf.len() <= SLOT_LEN` (the lengths sum to `want`, at most
+            // `BOX_BYTES`), inside this slot, which belongs to the producer until it stores the
+            // stamp.
+            unsafe { std::ptr::copy_nonoverlapping(buf.as_ptr(), slot.add(at), buf.len()) };
+            at += buf.len();
+        }
+        seg.slot_len(dir, count).store(want as u32, Ordering::Relaxed);
+        seg.slot_pos(dir, count).store(self.tail, Ordering::Relaxed);
+        seg.stamp(dir, count).store(stamp_of(count), Ordering::Release);
+        self.box_next = count + 1;
     }
 
     /// After a write: whether the consumer asked for a doorbell (the request is taken, so
