@@ -11,6 +11,14 @@ fn runtime() -> tokio::runtime::Runtime {
     tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().expect("a runtime")
 }
 
+/// Every test here makes segments, and the first looks for this process's in `/dev/shm` once
+/// its group is up: the tests take turns, or it would find another test's segments between
+/// their creation and their unlinking.
+fn turn() -> std::sync::MutexGuard<'static, ()> {
+    static TURN: std::sync::Mutex<()> = std::sync::Mutex::new(());
+    TURN.lock().unwrap_or_else(|p| p.into_inner())
+}
+
 fn opts() -> TcpOptions {
     common::opts(30)
 }
@@ -56,6 +64,7 @@ fn run_collectives(pgs: Vec<ProcessGroup>, sizes: &[usize]) -> Vec<Vec<Rank>> {
 
 #[test]
 fn ranks_of_one_host_share_memory_and_every_size_comes_through() {
+    let _turn = turn();
     let rt = runtime();
     let pgs = group(&rt, vec![opts(), opts()]);
     assert_eq!(pgs[0].shared_memory_peers(), vec![Rank(1)]);
@@ -72,6 +81,7 @@ fn ranks_of_one_host_share_memory_and_every_size_comes_through() {
 
 #[test]
 fn lazily_connected_ranks_share_memory_from_their_first_collective() {
+    let _turn = turn();
     let rt = runtime();
     let lazy = TcpOptions { lazy_connect: true, ..opts() };
     let pgs = group(&rt, vec![lazy.clone(), lazy.clone(), lazy]);
@@ -84,6 +94,7 @@ fn lazily_connected_ranks_share_memory_from_their_first_collective() {
 
 #[test]
 fn a_rank_that_turns_shared_memory_off_stays_on_tcp_and_the_others_share() {
+    let _turn = turn();
     let rt = runtime();
     let off = TcpOptions { shared_memory: false, ..opts() };
     let pgs = group(&rt, vec![opts(), opts(), off]);
@@ -96,6 +107,7 @@ fn a_rank_that_turns_shared_memory_off_stays_on_tcp_and_the_others_share() {
 
 #[test]
 fn a_ring_of_one_page_still_carries_every_size() {
+    let _turn = turn();
     // Every frame larger than the ring: writers wait for room over and over, and each wait
     // needs the reader's doorbell.
     let rt = runtime();
@@ -107,6 +119,7 @@ fn a_ring_of_one_page_still_carries_every_size() {
 
 #[test]
 fn a_ring_size_that_is_no_power_of_two_is_refused_naming_the_option() {
+    let _turn = turn();
     let rt = runtime();
     let bad = TcpOptions { shm_ring_bytes: 5000, ..opts() };
     let Err(e) = rt.block_on(common::connect_each(vec![bad])).remove(0) else { panic!("connected") };
