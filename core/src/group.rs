@@ -519,6 +519,8 @@ pub struct Checked {
     /// Which checked description this is: made once per [`Checked::new`] and kept by its
     /// clones, which describe the same collective (nothing changes one once made).
     id: u64,
+    /// Its desync signature, made once for all its works.
+    signature: Signature,
 }
 
 impl PartialEq for Checked {
@@ -533,7 +535,8 @@ impl Checked {
         static NEXT: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
         collective.validate(me, world_size)?;
         let id = NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-        Ok(Checked { collective, rank: me, world_size, id })
+        let signature = Signature::of(&collective);
+        Ok(Checked { collective, rank: me, world_size, id, signature })
     }
 
     /// The collective.
@@ -1101,7 +1104,7 @@ impl GroupState {
         };
         let record = match again {
             Some(record) => {
-                self.note_signature(seq, collective);
+                self.note_signature(seq, checked.signature);
                 Some(record)
             }
             None => self.admit_record(now, collective, seq, timeout, true),
@@ -1211,17 +1214,17 @@ impl GroupState {
     ) -> Option<RecordId> {
         let record = self.record(now, collective, seq, timeout, started);
         if !collective.op.is_p2p() {
-            self.note_signature(seq, collective);
+            self.note_signature(seq, Signature::of(collective));
         }
         record
     }
 
     /// Collective `seq`'s desync signature, kept for censuses.
-    fn note_signature(&mut self, seq: SeqNo, collective: &Collective) {
+    fn note_signature(&mut self, seq: SeqNo, signature: Signature) {
         if self.signatures.len() == SIGNATURES_KEPT {
             self.signatures.pop_front();
         }
-        self.signatures.push_back((seq, Signature::of(collective)));
+        self.signatures.push_back((seq, signature));
         // A census about this collective asked before this rank reached it got "not there
         // yet": vote again, now that it is.
         if let Some(c) = self.censuses.get_mut(&seq)
