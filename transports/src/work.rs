@@ -145,15 +145,18 @@ impl WorkInfo {
 pub type CompletionHook = Arc<dyn Fn(&WorkInfo) + Send + Sync>;
 
 /// A finished work's call of its completion hook, if it has one, to be made with no lock held
-/// ([`Work::finished`]).
+/// ([`Work::finished`]). Boxed: most groups have no hook, and the call travels back up the
+/// submit path inside every small collective's result, which stays small enough to pass in
+/// registers this way.
 #[must_use = "the hook is called only by `run`"]
-pub(crate) struct HookCall(Option<(CompletionHook, WorkInfo)>);
+pub(crate) struct HookCall(Option<Box<(CompletionHook, WorkInfo)>>);
 
 impl HookCall {
     /// Call the hook. Call with no lock held.
     pub(crate) fn run(self) {
-        if let Some((hook, info)) = self.0 {
-            hook(&info);
+        if let Some(call) = self.0 {
+            let (hook, info) = &*call;
+            hook(info);
         }
     }
 }
@@ -816,8 +819,43 @@ impl Shared {
 
 /// A running or finished collective. Clone it freely: clones are the same work.
 #[derive(Clone)]
-pub struct Work {
+pub struct Work(Repr);
+
+#[derive(Clone)]
+enum Repr {
+    /// A work the runtime finishes through its [`WorkCompleter`].
+    Live(Live),
+    /// A work that succeeded inside its submit call.
+    Done(Arc<Done>),
+}
+
+/// A work with a completer: its state behind a lock, for waiters to sleep on or poll.
+#[derive(Clone)]
+struct Live {
     shared: Arc<Shared>,
+}
+
+/// A work that succeeded before anyone could wait for it ([`Work::finished`]): nobody will
+/// ever sleep on it, poll for it or finish it, so it has none of a running work's machinery
+/// (a slot behind a lock, a condition variable, wakers, a progress function), only what its
+/// readers ask for. A small collective run to its end in its submit call makes one at every
+/// call, and these are the bytes it builds, moves and drops there.
+struct Done {
+    id: WorkId,
+    seq: SeqNo,
+    op: OpType,
+    /// From its start to its end.
+    duration: Option<Duration>,
+    /// Taken by the first [`Work::result`] or await.
+    outputs: Mutex<Option<Vec<Tensor>>>,
+    abort: Mutex<Option<AbortFn>>,
+    span: tracing::Span,
+}
+
+impl Done {
+    fn take_outputs(&self) -> Vec<Tensor> {
+        self.outputs.lock().unwrap_or_else(|p| p.into_inner()).take().unwrap_or_default()
+    }
 }
 
 /// The runtime's side of a [`Work`]: finishes it exactly once. Dropping it unfinished makes
@@ -832,28 +870,41 @@ impl Work {
     /// A new unfinished work and its completer.
     pub(crate) fn pending(id: WorkId, seq: SeqNo, op: OpType, hook: Option<CompletionHook>) -> (Work, WorkCompleter) {
         let shared = Arc::new(Shared::new(id, seq, op, Slot::default(), Shared::span(op, seq)));
-        (Work { shared: shared.clone() }, WorkCompleter { shared, hook, done: false })
+        (Work(Repr::Live(Live { shared: shared.clone() })), WorkCompleter { shared, hook, done: false })
     }
 
     /// A work that ended before anyone could wait for it (a collective run to its end inside
-    /// its submit call, on `group`'s `rank`): made finished, as [`WorkCompleter::finish_with`]
-    /// would leave it. Its completion hook's call comes back to be made once no lock is held
-    /// ([`HookCall::run`]): the work itself may be made under the group's lock, so that what
-    /// it is made of is not moved out from under it first.
+    /// its submit call, on `group`'s `rank`): made finished, answering every question as
+    /// [`WorkCompleter::finish_with`] would leave it answering (a success is a [`Done`], with
+    /// none of a running work's parts). Its completion hook's call comes back to be made once
+    /// no lock is held ([`HookCall::run`]): the work itself may be made under the group's
+    /// lock, so that what it is made of is not moved out from under it first.
     pub(crate) fn finished(
-        summary: WorkSummary,
+        summary: &WorkSummary,
         outputs: Vec<Tensor>,
         hook: Option<CompletionHook>,
         group: cohort_core::work::GroupId,
         rank: Rank,
     ) -> (Work, HookCall) {
         let (id, seq, op) = (summary.id, summary.seq, summary.op);
-        let call = HookCall(hook.map(|hook| (hook, WorkInfo::of(&summary))));
+        let call = HookCall(hook.map(|hook| Box::new((hook, WorkInfo::of(summary)))));
         let span = Shared::span(op, seq);
         span.record("group", group.0).record("rank", rank.0);
-        Shared::note_end(&span, &summary);
-        let slot = Slot { summary: Some(summary), outputs: Some(outputs), ..Slot::default() };
-        (Work { shared: Arc::new(Shared::new(id, seq, op, slot, span)) }, call)
+        Shared::note_end(&span, summary);
+        if !summary.result.is_success() || summary.lifecycle.state() != WorkState::Completed {
+            let slot = Slot { summary: Some(summary.clone()), outputs: Some(outputs), ..Slot::default() };
+            return (Work(Repr::Live(Live { shared: Arc::new(Shared::new(id, seq, op, slot, span)) })), call);
+        }
+        let done = Done {
+            id,
+            seq,
+            op,
+            duration: summary.lifecycle.duration(),
+            outputs: Mutex::new(Some(outputs)),
+            abort: Mutex::new(None),
+            span,
+        };
+        (Work(Repr::Done(Arc::new(done))), call)
     }
 
     /// Wrap a future as a work (c10d's `FutureWrappingWork`): it succeeds with the future's
@@ -911,14 +962,152 @@ impl Work {
 
     /// Let [`Work::abort`] reach the runtime.
     pub fn set_abort(&self, f: AbortFn) {
-        *self.shared.abort.lock().unwrap_or_else(|p| p.into_inner()) = Some(f);
+        match &self.0 {
+            Repr::Live(live) => live.set_abort(f),
+            Repr::Done(done) => *done.abort.lock().unwrap_or_else(|p| p.into_inner()) = Some(f),
+        }
     }
 
     /// Tell `progress` who waits for this work, and, if `poll`, let a thread that waits move
     /// the work on itself for a while before it sleeps: `progress` does what the runtime's
     /// tasks would (reads what has arrived and feeds it). The frame that finishes the work then
     /// wakes nobody.
+    ///
+    /// A finished work has nothing to poll for.
     pub(crate) fn set_progress(&self, progress: ProgressFn, poll: bool) {
+        if let Repr::Live(live) = &self.0 {
+            live.set_progress(progress, poll);
+        }
+    }
+
+    /// Block until the work ends; `Ok` if it succeeded.
+    pub fn wait(&self) -> Result<(), WorkError> {
+        match &self.0 {
+            Repr::Live(live) => live.wait(),
+            Repr::Done(_) => Ok(()),
+        }
+    }
+
+    /// Block at most `timeout`. The work goes on after [`WorkError::WaitTimedOut`] (its own
+    /// deadline is the watchdog's business).
+    pub fn wait_timeout(&self, timeout: Duration) -> Result<(), WorkError> {
+        match &self.0 {
+            Repr::Live(live) => live.wait_timeout(timeout),
+            Repr::Done(_) => Ok(()),
+        }
+    }
+
+    /// Whether the work has ended (successfully or not). A thread that polls this instead of
+    /// waiting still sends what its submits held back.
+    pub fn is_completed(&self) -> bool {
+        match &self.0 {
+            Repr::Live(live) => live.is_completed(),
+            Repr::Done(_) => true,
+        }
+    }
+
+    /// Whether the work ended successfully.
+    pub fn is_success(&self) -> bool {
+        match &self.0 {
+            Repr::Live(live) => live.is_success(),
+            Repr::Done(_) => true,
+        }
+    }
+
+    /// The error the work ended with, if it failed (c10d's `exception()`).
+    pub fn exception(&self) -> Option<WorkError> {
+        match &self.0 {
+            Repr::Live(live) => live.exception(),
+            Repr::Done(_) => None,
+        }
+    }
+
+    /// Wait, then take the output tensors (the first call gets them; later calls get an empty
+    /// list).
+    pub fn result(&self) -> Result<Vec<Tensor>, WorkError> {
+        match &self.0 {
+            Repr::Live(live) => live.result(),
+            Repr::Done(done) => Ok(done.take_outputs()),
+        }
+    }
+
+    /// The rank a `recv_anysource` received from, once known.
+    pub fn source_rank(&self) -> Option<Rank> {
+        match &self.0 {
+            Repr::Live(live) => live.source_rank(),
+            Repr::Done(_) => None,
+        }
+    }
+
+    /// How long the work ran, once it ended.
+    pub fn duration(&self) -> Option<Duration> {
+        match &self.0 {
+            Repr::Live(live) => live.duration(),
+            Repr::Done(done) => done.duration,
+        }
+    }
+
+    /// The work's state.
+    pub fn state(&self) -> WorkState {
+        match &self.0 {
+            Repr::Live(live) => live.state(),
+            Repr::Done(_) => WorkState::Completed,
+        }
+    }
+
+    /// The work's `tracing` span (`work{op, seq, group, rank}`), open from submit until the
+    /// work finishes, when it records `state` and `duration_us` and logs the outcome: a
+    /// subscriber sees every collective as a span. Enter it to attach your own events.
+    pub fn span(&self) -> &tracing::Span {
+        match &self.0 {
+            Repr::Live(live) => &live.shared.span,
+            Repr::Done(done) => &done.span,
+        }
+    }
+
+    /// Its sequence number in its group.
+    pub fn seq(&self) -> SeqNo {
+        match &self.0 {
+            Repr::Live(live) => live.shared.seq,
+            Repr::Done(done) => done.seq,
+        }
+    }
+
+    /// Its id in its group.
+    pub fn id(&self) -> WorkId {
+        match &self.0 {
+            Repr::Live(live) => live.shared.id,
+            Repr::Done(done) => done.id,
+        }
+    }
+
+    /// The op.
+    pub fn op(&self) -> OpType {
+        match &self.0 {
+            Repr::Live(live) => live.shared.op,
+            Repr::Done(done) => done.op,
+        }
+    }
+
+    /// Ask the runtime to abort this work (and, as c10d does, the group it runs on).
+    pub fn abort(&self) {
+        match &self.0 {
+            Repr::Live(live) => live.abort(),
+            Repr::Done(done) => {
+                if let Some(f) = done.abort.lock().unwrap_or_else(|p| p.into_inner()).as_ref() {
+                    f(&format!("{} (seq {}) aborted by the user", done.op, done.seq));
+                }
+            }
+        }
+    }
+}
+
+impl Live {
+    fn set_abort(&self, f: AbortFn) {
+        *self.shared.abort.lock().unwrap_or_else(|p| p.into_inner()) = Some(f);
+    }
+
+    fn set_progress(&self, progress: ProgressFn, poll: bool) {
         let _ = self.shared.progress.set((progress, poll));
     }
 
@@ -990,8 +1179,7 @@ impl Work {
         }
     }
 
-    /// Block until the work ends; `Ok` if it succeeded.
-    pub fn wait(&self) -> Result<(), WorkError> {
+    fn wait(&self) -> Result<(), WorkError> {
         self.flush();
         let progress = self.shared.progress.get();
         let polled = match progress {
@@ -1024,9 +1212,7 @@ impl Work {
         outcome
     }
 
-    /// Block at most `timeout`. The work goes on after [`WorkError::WaitTimedOut`] (its own
-    /// deadline is the watchdog's business).
-    pub fn wait_timeout(&self, timeout: Duration) -> Result<(), WorkError> {
+    fn wait_timeout(&self, timeout: Duration) -> Result<(), WorkError> {
         self.flush();
         let asleep = self.shared.progress.get().map(|(p, _)| {
             p.sleep();
@@ -1052,9 +1238,7 @@ impl Work {
         outcome
     }
 
-    /// Whether the work has ended (successfully or not). A thread that polls this instead of
-    /// waiting still sends what its submits held back.
-    pub fn is_completed(&self) -> bool {
+    fn is_completed(&self) -> bool {
         self.flush();
         self.ended()
     }
@@ -1064,13 +1248,11 @@ impl Work {
         slot.summary.is_some() || slot.dropped
     }
 
-    /// Whether the work ended successfully.
-    pub fn is_success(&self) -> bool {
+    fn is_success(&self) -> bool {
         self.shared.lock().summary.as_ref().is_some_and(|s| s.result.is_success())
     }
 
-    /// The error the work ended with, if it failed (c10d's `exception()`).
-    pub fn exception(&self) -> Option<WorkError> {
+    fn exception(&self) -> Option<WorkError> {
         let slot = self.shared.lock();
         if slot.summary.is_none() && !slot.dropped {
             return None;
@@ -1078,9 +1260,7 @@ impl Work {
         self.outcome(&slot).err()
     }
 
-    /// Wait, then take the output tensors (the first call gets them; later calls get an empty
-    /// list).
-    pub fn result(&self) -> Result<Vec<Tensor>, WorkError> {
+    fn result(&self) -> Result<Vec<Tensor>, WorkError> {
         if self.shared.progress.get().is_none() {
             // Nothing to flush or poll with: a work that ended is answered in one look.
             let mut slot = self.shared.lock();
@@ -1093,18 +1273,15 @@ impl Work {
         Ok(self.shared.lock().outputs.take().unwrap_or_default())
     }
 
-    /// The rank a `recv_anysource` received from, once known.
-    pub fn source_rank(&self) -> Option<Rank> {
+    fn source_rank(&self) -> Option<Rank> {
         *self.shared.source_rank.lock().unwrap_or_else(|p| p.into_inner())
     }
 
-    /// How long the work ran, once it ended.
-    pub fn duration(&self) -> Option<Duration> {
+    fn duration(&self) -> Option<Duration> {
         self.shared.lock().summary.as_ref().and_then(|s| s.lifecycle.duration())
     }
 
-    /// The work's state.
-    pub fn state(&self) -> WorkState {
+    fn state(&self) -> WorkState {
         let slot = self.shared.lock();
         match &slot.summary {
             Some(s) => s.lifecycle.state(),
@@ -1113,30 +1290,7 @@ impl Work {
         }
     }
 
-    /// The work's `tracing` span (`work{op, seq, group, rank}`), open from submit until the
-    /// work finishes, when it records `state` and `duration_us` and logs the outcome: a
-    /// subscriber sees every collective as a span. Enter it to attach your own events.
-    pub fn span(&self) -> &tracing::Span {
-        &self.shared.span
-    }
-
-    /// Its sequence number in its group.
-    pub fn seq(&self) -> SeqNo {
-        self.shared.seq
-    }
-
-    /// Its id in its group.
-    pub fn id(&self) -> WorkId {
-        self.shared.id
-    }
-
-    /// The op.
-    pub fn op(&self) -> OpType {
-        self.shared.op
-    }
-
-    /// Ask the runtime to abort this work (and, as c10d does, the group it runs on).
-    pub fn abort(&self) {
+    fn abort(&self) {
         if let Some(f) = self.shared.abort.lock().unwrap_or_else(|p| p.into_inner()).as_ref() {
             f(&format!("{} (seq {}) aborted by the user", self.shared.op, self.shared.seq));
         }
@@ -1155,6 +1309,15 @@ impl Future for Work {
     type Output = Result<Vec<Tensor>, WorkError>;
 
     fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
+        match &self.0 {
+            Repr::Live(live) => live.poll(cx),
+            Repr::Done(done) => Poll::Ready(Ok(done.take_outputs())),
+        }
+    }
+}
+
+impl Live {
+    fn poll(&self, cx: &mut Context<'_>) -> Poll<Result<Vec<Tensor>, WorkError>> {
         self.flush();
         let mut slot = self.shared.lock();
         if slot.summary.is_none() && !slot.dropped {
@@ -1177,11 +1340,7 @@ impl Future for Work {
 
 impl fmt::Debug for Work {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_struct("Work")
-            .field("op", &self.shared.op)
-            .field("seq", &self.shared.seq)
-            .field("state", &self.state())
-            .finish()
+        f.debug_struct("Work").field("op", &self.op()).field("seq", &self.seq()).field("state", &self.state()).finish()
     }
 }
 
@@ -1244,6 +1403,7 @@ mod tests {
     use std::sync::atomic::{AtomicUsize, Ordering};
 
     use super::*;
+    use cohort_core::work::GroupId;
 
     fn finished_lifecycle(state: WorkState) -> Lifecycle {
         let mut l = Lifecycle::new(Duration::ZERO);
@@ -1842,10 +2002,19 @@ mod tests {
         assert_eq!(work.exception(), None);
     }
 
+    impl Work {
+        fn live(&self) -> &Live {
+            match &self.0 {
+                Repr::Live(live) => live,
+                Repr::Done(_) => panic!("a finished work has no waiters"),
+            }
+        }
+    }
+
     /// Wait until `n` threads sleep on the work's condition variable.
     fn until_asleep(work: &Work, n: u32) {
         let start = std::time::Instant::now();
-        while work.shared.lock().sleeping < n {
+        while work.live().shared.lock().sleeping < n {
             assert!(start.elapsed() < Duration::from_secs(10), "the waiters never went to sleep");
             std::thread::yield_now();
         }
@@ -1882,7 +2051,7 @@ mod tests {
                     assert!(e.contains("dropped by the runtime"), "a waiter slept through the drop: {e}");
                 }
             }
-            assert_eq!(work.shared.lock().sleeping, 0);
+            assert_eq!(work.live().shared.lock().sleeping, 0);
         }
     }
 
@@ -1929,6 +2098,67 @@ mod tests {
             vec![],
         );
         assert_eq!(seen.load(Ordering::SeqCst), 1);
+    }
+
+    /// Everything a caller can ask of a work, in a form to compare.
+    fn answers(work: &Work) -> String {
+        let clone = work.clone();
+        let before = format!(
+            "{:?} {:?} {:?} {:?} {:?} {:?} {:?} {:?} {:?} {:?} {:?} {:?}",
+            work.is_completed(),
+            work.is_success(),
+            work.exception(),
+            work.wait(),
+            work.wait_timeout(Duration::from_millis(1)),
+            work.state(),
+            work.duration(),
+            work.source_rank(),
+            (work.seq(), work.id(), work.op()),
+            work,
+            work.span().is_disabled(),
+            work.result(),
+        );
+        // The first `result` took the outputs, for every clone.
+        let polled = std::pin::pin!(clone).poll(&mut Context::from_waker(Waker::noop()));
+        format!("{before} | {:?} {polled:?}", work.result())
+    }
+
+    #[test]
+    fn a_work_finished_in_its_submit_call_answers_as_one_finished_by_its_completer() {
+        let outputs = vec![Tensor::from_slice(&[3.0f32])];
+        let failed = WorkResult::CommError { blame: cohort_core::Blame::rank(Rank(1)), message: "lost".into() };
+        for (result, state) in [(WorkResult::Success, WorkState::Completed), (failed, WorkState::Failed)] {
+            let summary = WorkSummary {
+                id: WorkId(7),
+                seq: SeqNo(4),
+                is_p2p: false,
+                op: OpType::Allreduce,
+                result,
+                lifecycle: finished_lifecycle(state),
+            };
+            let seen = Arc::new(Mutex::new(Vec::new()));
+            let hook = |seen: &Arc<Mutex<Vec<WorkInfo>>>| -> CompletionHook {
+                let seen = seen.clone();
+                Arc::new(move |info: &WorkInfo| seen.lock().unwrap().push(info.clone()))
+            };
+            let (finished, call) = Work::finished(&summary, outputs.clone(), Some(hook(&seen)), GroupId(0), Rank(0));
+            assert!(seen.lock().unwrap().is_empty(), "the hook waits for its call");
+            call.run();
+            let (completed, completer) = Work::pending(summary.id, summary.seq, summary.op, Some(hook(&seen)));
+            completer.finish_with(summary.clone(), outputs.clone());
+            let infos = seen.lock().unwrap().clone();
+            assert_eq!(infos.len(), 2);
+            assert_eq!(infos[0], infos[1]);
+            assert_eq!(answers(&finished), answers(&completed), "{state:?}");
+            // An abort function set on either is called by `abort`.
+            for work in [&finished, &completed] {
+                let aborted = Arc::new(Mutex::new(None));
+                let a = aborted.clone();
+                work.set_abort(Box::new(move |why| *a.lock().unwrap() = Some(why.to_string())));
+                work.abort();
+                assert_eq!(aborted.lock().unwrap().as_deref(), Some("all_reduce (seq 4) aborted by the user"));
+            }
+        }
     }
 
     #[tokio::test]

@@ -511,7 +511,7 @@ impl DriverState {
                 for payload in stale {
                     self.pool.give(payload);
                 }
-                let (work, hook) = Work::finished(summary, tensors, hook, self.gid, self.me);
+                let (work, hook) = Work::finished(&summary, tensors, hook, self.gid, self.me);
                 QuickEnd::Ended(work, hook)
             }
             Err(e) => {
