@@ -290,6 +290,13 @@ pub(crate) struct Deferred {
     dials: Vec<(Rank, Vec<link::LaneRx>)>,
 }
 
+impl Deferred {
+    /// Empty, with nothing allocated: dropping it would only look at its empty fields.
+    pub(crate) fn is_vacant(&self) -> bool {
+        self.dials.capacity() == 0 && self.effects.is_vacant()
+    }
+}
+
 impl Inner {
     pub(crate) fn lock(&self) -> MutexGuard<'_, DriverState> {
         // Every critical section leaves the state consistent before anything can panic inside
@@ -297,17 +304,17 @@ impl Inner {
         self.state.lock().unwrap_or_else(|p| p.into_inner())
     }
 
-    /// Run one input under the lock, then perform its effects outside it.
     /// The completion hook, if one was set; no lock is taken while none has been.
     pub(crate) fn completion_hook(&self) -> Option<CompletionHook> {
         let hooked = self.hooked.load(std::sync::atomic::Ordering::Acquire);
         hooked.then(|| self.hook.read().unwrap_or_else(|p| p.into_inner()).clone()).flatten()
     }
 
+    /// Run one input under the lock, then perform its effects outside it.
     pub(crate) fn input<T>(self: &Arc<Self>, f: impl FnOnce(&mut DriverState, &mut Effects) -> T) -> T {
         let mut acc = Deferred::default();
         let out = self.input_into(&mut acc, f);
-        self.finish_inputs(acc);
+        self.finish_inputs(&mut acc);
         out
     }
 
@@ -322,16 +329,17 @@ impl Inner {
         out
     }
 
-    /// Perform the effects gathered by [`Inner::input_into`]. Call with no lock held.
+    /// Perform the effects gathered by [`Inner::input_into`], leaving `acc` empty. Call with
+    /// no lock held.
     ///
-    /// Inlined, so that a caller with nothing gathered (a small work ended in its submit call,
-    /// most often) does not copy the gathering to pass it.
+    /// Inlined, and `acc` is borrowed, so that a caller with nothing gathered (a small work
+    /// ended in its submit call, most often) neither calls nor copies the gathering.
     #[inline]
-    pub(crate) fn finish_inputs(self: &Arc<Self>, acc: Deferred) {
+    pub(crate) fn finish_inputs(self: &Arc<Self>, acc: &mut Deferred) {
         if acc.dials.is_empty() && acc.effects.is_empty() {
             return;
         }
-        self.perform(acc);
+        self.perform(std::mem::take(acc));
     }
 
     fn perform(self: &Arc<Self>, acc: Deferred) {
@@ -381,7 +389,7 @@ impl Inner {
                 task_draining = readers.iter().any(|r| r.task_draining());
             }
         }
-        self.finish_inputs(acc);
+        self.finish_inputs(&mut acc);
         // A reader task holds what arrived: let it have the CPU rather than poll an empty socket.
         if task_draining { None } else { Some(delivered) }
     }

@@ -68,6 +68,7 @@
 //! (where spinning only delays it), gains nothing from the wait. `COHORT_SHM_QUICK=0` turns
 //! the path off.
 
+use std::mem::ManuallyDrop;
 use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, OnceLock};
 use std::time::{Duration, Instant};
@@ -300,15 +301,18 @@ pub(super) fn allreduce(inner: &Arc<Inner>, tensors: Vec<Tensor>, op: ReduceOp) 
     // Where a rank shares its core, a look that finds nothing yields it (the peer may be the
     // thread that needs it); elsewhere the thread spins.
     let yields = gate.yields;
-    let mut acc = Deferred::default();
+    // Dropped below only if it holds something: most calls gather nothing, and the drop of
+    // an empty one would still look at every field.
+    let mut acc = ManuallyDrop::new(Deferred::default());
     let mut took = false;
     // The group's state first, then the peer's reading side if nobody else reads it: a
     // drain takes them the other way round, so this thread only tries for the reading side
-    // and never waits for it while it holds the state.
+    // and never waits for it while it holds the state. An error comes back boxed, so that
+    // what every small collective passes up from under the lock fits in registers.
     let (end, last) = inner.input_into(&mut acc, |st, fx| {
         let usual = |st: &mut super::state::DriverState, fx: &mut _, collective, tensors: Vec<Tensor>| {
             let payload = Payload::Collective { request: Box::new(Request::allreduce(tensors, op)), run: None };
-            (st.submit(super::now(), collective, payload, hook(), fx).map(QuickEnd::Work), None)
+            (st.submit(super::now(), collective, payload, hook(), fx).map(QuickEnd::Work).map_err(Box::new), None)
         };
         // Every peer of the chain on shared memory (some pairs of a group may not share a
         // host), and the first one's ring not read by another thread now.
@@ -322,7 +326,7 @@ pub(super) fn allreduce(inner: &Arc<Inner>, tensors: Vec<Tensor>, op: ReduceOp) 
         st.quick_collective(&tensors[0]);
         let started = super::now();
         let mut exchange = match st.quick_start(started, tensors, op, plan, hook) {
-            Err(e) => return (Err(e), None),
+            Err(e) => return (Err(Box::new(e)), None),
             Ok(QuickStart::Busy(tensors)) => {
                 let collective = st.take_quick_collective(&tensors);
                 return usual(st, fx, collective, tensors);
@@ -390,7 +394,11 @@ pub(super) fn allreduce(inner: &Arc<Inner>, tensors: Vec<Tensor>, op: ReduceOp) 
     {
         reader.finish_held(inner, last, &mut acc);
     }
-    inner.finish_inputs(acc);
+    inner.finish_inputs(&mut acc);
+    if !acc.is_vacant() {
+        drop(ManuallyDrop::into_inner(acc));
+    }
+    let end = end.map_err(|e| *e);
     end.map(|end| match end {
         // Finished already: a wait has nothing to poll for or flush.
         QuickEnd::Ended(work, hook) => {

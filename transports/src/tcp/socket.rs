@@ -939,7 +939,7 @@ pub(crate) async fn run_reader(reader: Arc<FastReader>, weak: Weak<Inner>, peer:
                 reader.end(&inner, closed, &mut acc);
             }
         }
-        inner.finish_inputs(acc);
+        inner.finish_inputs(&mut acc);
         reader.task_draining.store(false, Ordering::Release);
         if reader.ended() {
             inner.forget_reader(&reader);

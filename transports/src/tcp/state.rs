@@ -73,6 +73,11 @@ impl Finished {
         self.0.is_empty()
     }
 
+    /// Empty, with nothing allocated.
+    fn is_vacant(&self) -> bool {
+        self.0.capacity() == 0
+    }
+
     /// Wake every waiter and run the hooks, in the order the works finished. Call with no lock
     /// held.
     pub(crate) fn complete(self) {
@@ -108,6 +113,11 @@ impl Effects {
             && self.tear_down.is_none()
             && !self.rearm_timer
             && self.reserve.is_empty()
+    }
+
+    /// Empty, with nothing allocated: dropping it would only look at its empty fields.
+    pub(crate) fn is_vacant(&self) -> bool {
+        self.finished.is_vacant() && self.failed.is_none() && self.tear_down.is_none() && self.reserve.capacity() == 0
     }
 }
 
