@@ -325,7 +325,9 @@ impl Inner {
         let earlier = std::mem::take(&mut acc.effects.rearm_timer);
         let out = f(&mut st, &mut acc.effects);
         acc.effects.rearm_timer = earlier || (acc.effects.rearm_timer && st.timer_needs_wake());
-        acc.dials.extend(st.take_dial_requests());
+        if st.has_dial_requests() {
+            acc.dials.extend(st.take_dial_requests());
+        }
         out
     }
 

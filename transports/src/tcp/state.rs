@@ -268,6 +268,11 @@ impl DriverState {
         needed
     }
 
+    /// Whether there are peers to dial (a look costs less than taking the empty list).
+    pub(crate) fn has_dial_requests(&self) -> bool {
+        !self.dial_requests.is_empty()
+    }
+
     /// Peers to dial now (lazy connection), each with its connections' queues.
     pub(crate) fn take_dial_requests(&mut self) -> Vec<(Rank, Vec<LaneRx>)> {
         std::mem::take(&mut self.dial_requests)
