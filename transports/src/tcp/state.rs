@@ -229,10 +229,16 @@ impl DriverState {
 
     /// Whether there are lanes to `to`, made as [`DriverState::lanes_for`] makes them. A peer
     /// connected already, as in a loop of small works from its second on, costs one lookup.
+    ///
+    /// Inlined, the lookup alone: making the lanes is [`DriverState::link`]'s, out of line.
+    #[inline]
     fn linked(&mut self, to: Rank) -> bool {
-        if self.writers.contains_key(&to) {
-            return true;
-        }
+        self.writers.contains_key(&to) || self.link(to)
+    }
+
+    /// Make lanes to `to` if it may have them (see [`DriverState::linked`]).
+    #[cold]
+    fn link(&mut self, to: Rank) -> bool {
         if to.0 < self.group.config().world_size
             && let Some(k) = self.lazy
             && to != self.me
@@ -527,6 +533,11 @@ impl DriverState {
                     self.pool.give(payload);
                 }
                 let (work, hook) = Work::finished(&summary, tensors, hook, self.gid, self.me);
+                // `Success` holds nothing to free, and its drop would still call the result's.
+                match summary.result {
+                    cohort_core::work::WorkResult::Success => std::mem::forget(summary.result),
+                    failed => drop(failed),
+                }
                 QuickEnd::Ended(work, hook)
             }
             Err(e) => {
