@@ -291,9 +291,11 @@ pub(crate) struct Deferred {
 }
 
 impl Deferred {
-    /// Empty, with nothing allocated: dropping it would only look at its empty fields.
+    /// Empty, with nothing allocated: dropping it would only look at its empty fields. (Every
+    /// field is named here, so that one added later is not left out of the question.)
     pub(crate) fn is_vacant(&self) -> bool {
-        self.dials.capacity() == 0 && self.effects.is_vacant()
+        let Deferred { effects, dials } = self;
+        dials.capacity() == 0 && effects.is_vacant()
     }
 }
 

@@ -115,9 +115,11 @@ impl Effects {
             && self.reserve.is_empty()
     }
 
-    /// Empty, with nothing allocated: dropping it would only look at its empty fields.
+    /// Empty, with nothing allocated: dropping it would only look at its empty fields. (Every
+    /// field is named here, so that one added later is not left out of the question.)
     pub(crate) fn is_vacant(&self) -> bool {
-        self.finished.is_vacant() && self.failed.is_none() && self.tear_down.is_none() && self.reserve.capacity() == 0
+        let Effects { finished, failed, tear_down, rearm_timer: _, reserve } = self;
+        finished.is_vacant() && failed.is_none() && tear_down.is_none() && reserve.capacity() == 0
     }
 }
 
@@ -1375,8 +1377,31 @@ mod tests {
     use cohort_core::group::WorkSummary;
     use cohort_core::work::{Lifecycle, OpType, SeqNo, WorkId, WorkResult, WorkState};
 
-    use super::Finished;
+    use super::{Effects, Finished};
     use crate::work::{CompletionHook, Work};
+
+    /// A vacant gathering is one whose drop may be skipped: anything in it, or anything it
+    /// allocated and still holds, makes it not vacant.
+    #[test]
+    fn effects_are_vacant_only_when_empty_with_nothing_allocated() {
+        assert!(Effects::default().is_vacant());
+        // A flag holds nothing to free.
+        assert!(Effects { rearm_timer: true, ..Effects::default() }.is_vacant());
+        let failed = Effects {
+            failed: Some((cohort_core::Rank(1), cohort_core::Blame::nobody(), "x".into())),
+            ..Effects::default()
+        };
+        assert!(!failed.is_vacant());
+        assert!(!Effects { tear_down: Some(String::new()), ..Effects::default() }.is_vacant());
+        // Emptied, but still holding its allocation.
+        let mut reserve = Vec::with_capacity(1);
+        reserve.clear();
+        assert!(!Effects { reserve, ..Effects::default() }.is_vacant());
+        let mut finished = Finished::default();
+        finished.0.reserve(1);
+        assert!(finished.is_empty());
+        assert!(!Effects { finished, ..Effects::default() }.is_vacant());
+    }
 
     #[test]
     fn finished_works_complete_in_the_order_they_finished() {
