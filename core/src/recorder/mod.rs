@@ -496,7 +496,7 @@ impl FlightRecorder {
             is_p2p: req.is_p2p,
             timeout: req.timeout,
         };
-        Some(self.write(now, entry, started))
+        Some(self.write(now, entry, started, false))
     }
 
     /// Record a collective enqueued and started at `now`, of the group, profiling name and
@@ -518,15 +518,21 @@ impl FlightRecorder {
         }
         let (group, name, shapes) = (slot.group, slot.name, slot.shapes);
         let RecordNumbers { collective_seq_id, p2p_seq_id, op_id } = numbers;
-        // A live entry's description is pointed at: one more entry now does.
-        self.shapes.add_ref(shapes);
+        // A live entry's description is pointed at: one more entry now does, unless the entry
+        // this one overwrites points at it too (a full ring of one collective), whose reference
+        // then passes to this one.
+        let inherits = self.slots.get(self.next_index).is_some_and(|next| next.shapes == shapes);
+        if !inherits {
+            self.shapes.add_ref(shapes);
+        }
         let entry = Entry { group, name, shapes, collective_seq_id, p2p_seq_id, op_id, is_p2p: false, timeout };
-        Some(self.write(now, entry, true))
+        Some(self.write(now, entry, true, inherits))
     }
 
     /// Write `entry` into the next slot as enqueued at `now` (and started then, if `started`),
-    /// and move its group's `pg_status`.
-    fn write(&mut self, now: Duration, entry: Entry, started: bool) -> RecordId {
+    /// and move its group's `pg_status`. The entry's reference to its description is counted
+    /// already, or, if `inherits`, is the one the overwritten entry held (the same description).
+    fn write(&mut self, now: Duration, entry: Entry, started: bool, inherits: bool) -> RecordId {
         let capacity = self.config.capacity;
         let seq = self.recorded;
         self.recorded += 1;
@@ -565,7 +571,9 @@ impl FlightRecorder {
         slot.error = None;
         slot.blame = None;
         let overwritten = std::mem::replace(&mut slot.shapes, entry.shapes);
-        self.shapes.release(overwritten);
+        if !inherits {
+            self.shapes.release(overwritten);
+        }
         // The next records write the next slots, last written `capacity` records ago and out of
         // the cache by now in a full ring: the slot after next is asked for while this
         // collective runs (by address alone: nothing is read).

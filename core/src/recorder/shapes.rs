@@ -98,6 +98,14 @@ impl Shapes {
         }
     }
 
+    /// Every description in use and how many entries point at it, in a fixed order.
+    #[cfg(test)]
+    pub(super) fn in_use(&self) -> Vec<(Box<[u64]>, u32)> {
+        let mut used: Vec<_> = self.table.iter().filter(|(_, refs)| *refs > 0).cloned().collect();
+        used.sort();
+        used
+    }
+
     /// One entry less points at `id` ([`NONE`] is ignored); the last one frees it.
     pub(super) fn release(&mut self, id: u32) {
         let Some((key, refs)) = self.table.get_mut(id as usize) else { return };

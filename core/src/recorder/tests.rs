@@ -612,6 +612,8 @@ proptest! {
                 }
             }
             prop_assert_eq!(again.dump(meta()), full.dump(meta()));
+            // And the same descriptions held, each by as many entries.
+            prop_assert_eq!(again.shapes.in_use(), full.shapes.in_use());
         }
         prop_assert!(records.iter().all(|(_, a, f)| a == f), "the same record ids");
     }
