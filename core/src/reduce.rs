@@ -237,6 +237,14 @@ const STAGE: usize = 1024;
 /// Run `f` over typed views of `acc` and `src`, staging through aligned buffers when either
 /// is not aligned for `T`.
 fn with_typed<T: Pod + Default>(acc: &mut [u8], src: &[u8], mut f: impl FnMut(&mut [T], &[T])) {
+    // One element (a scalar's allreduce, the most frequent small one): read out and written
+    // back whatever its alignment, without the casts' checks or a loop of unknown length.
+    if acc.len() == std::mem::size_of::<T>() && src.len() == acc.len() {
+        let mut a = [bytemuck::pod_read_unaligned::<T>(acc)];
+        f(&mut a, &[bytemuck::pod_read_unaligned::<T>(src)]);
+        acc.copy_from_slice(bytemuck::bytes_of(&a[0]));
+        return;
+    }
     if let (Ok(a), Ok(s)) = (bytemuck::try_cast_slice_mut::<u8, T>(acc), bytemuck::try_cast_slice::<u8, T>(src)) {
         f(a, s);
         return;
@@ -519,6 +527,59 @@ mod tests {
             Reduction::new(ReduceOp::PremulSum(2.0), DType::F64).unwrap().premultiply(&mut abuf[1..]).unwrap();
             let got: Vec<f64> = abuf[1..].chunks(8).map(|c| f64::from_ne_bytes(c.try_into().unwrap())).collect();
             assert_eq!(got, expect, "{n} elements");
+        }
+    }
+
+    /// A one-element combine (its own short path) gives what the same element gives inside a
+    /// longer buffer (the general one), for every dtype, every op it takes, and operands at
+    /// every alignment.
+    #[test]
+    fn one_element_combines_as_it_does_among_others() {
+        let ops = [
+            ReduceOp::Sum,
+            ReduceOp::Avg,
+            ReduceOp::Product,
+            ReduceOp::Min,
+            ReduceOp::Max,
+            ReduceOp::BAnd,
+            ReduceOp::BOr,
+            ReduceOp::BXor,
+            ReduceOp::PremulSum(0.5),
+        ];
+        for dtype in DType::ALL {
+            let size = dtype.size();
+            // Bytes that read as ordinary values of every dtype (no NaN: it would not equal
+            // itself).
+            let value = |seed: u8| -> Vec<u8> {
+                let x = f64::from(seed) * 0.75 - 3.0;
+                match dtype {
+                    DType::F32 => (x as f32).to_ne_bytes().to_vec(),
+                    DType::F64 => x.to_ne_bytes().to_vec(),
+                    DType::F16 => f16::from_f64(x).to_ne_bytes().to_vec(),
+                    DType::Bf16 => bf16::from_f64(x).to_ne_bytes().to_vec(),
+                    DType::Bool => vec![seed % 2],
+                    _ => (0..size).map(|i| seed.wrapping_mul(37).wrapping_add(i as u8 * 11)).collect(),
+                }
+            };
+            for op in ops {
+                let Ok(r) = Reduction::new(op, dtype) else { continue };
+                for (seed_a, seed_b) in [(1u8, 2u8), (7, 3), (4, 4), (0, 9)] {
+                    let (a, b) = (value(seed_a), value(seed_b));
+                    // The general path: the element between two others.
+                    let mut long_a = [value(5), a.clone(), value(6)].concat();
+                    let long_b = [value(8), b.clone(), value(2)].concat();
+                    r.combine(&mut long_a, &long_b).unwrap();
+                    let expect = &long_a[size..2 * size];
+                    for (off_a, off_b) in [(0, 0), (1, 3), (3, 1)] {
+                        let mut one_a = vec![0u8; off_a + size];
+                        let mut one_b = vec![0u8; off_b + size];
+                        one_a[off_a..].copy_from_slice(&a);
+                        one_b[off_b..].copy_from_slice(&b);
+                        r.combine(&mut one_a[off_a..], &one_b[off_b..]).unwrap();
+                        assert_eq!(&one_a[off_a..], expect, "{dtype} {op}, offsets {off_a} and {off_b}");
+                    }
+                }
+            }
         }
     }
 
