@@ -962,9 +962,14 @@ impl Work {
 
     /// Let [`Work::abort`] reach the runtime.
     pub fn set_abort(&self, f: AbortFn) {
+        *self.abort_fn().lock().unwrap_or_else(|p| p.into_inner()) = Some(f);
+    }
+
+    /// Where its abort function is kept.
+    fn abort_fn(&self) -> &Mutex<Option<AbortFn>> {
         match &self.0 {
-            Repr::Live(live) => live.set_abort(f),
-            Repr::Done(done) => *done.abort.lock().unwrap_or_else(|p| p.into_inner()) = Some(f),
+            Repr::Live(live) => &live.shared.abort,
+            Repr::Done(done) => &done.abort,
         }
     }
 
@@ -1091,22 +1096,13 @@ impl Work {
 
     /// Ask the runtime to abort this work (and, as c10d does, the group it runs on).
     pub fn abort(&self) {
-        match &self.0 {
-            Repr::Live(live) => live.abort(),
-            Repr::Done(done) => {
-                if let Some(f) = done.abort.lock().unwrap_or_else(|p| p.into_inner()).as_ref() {
-                    f(&format!("{} (seq {}) aborted by the user", done.op, done.seq));
-                }
-            }
+        if let Some(f) = self.abort_fn().lock().unwrap_or_else(|p| p.into_inner()).as_ref() {
+            f(&format!("{} (seq {}) aborted by the user", self.op(), self.seq()));
         }
     }
 }
 
 impl Live {
-    fn set_abort(&self, f: AbortFn) {
-        *self.shared.abort.lock().unwrap_or_else(|p| p.into_inner()) = Some(f);
-    }
-
     fn set_progress(&self, progress: ProgressFn, poll: bool) {
         let _ = self.shared.progress.set((progress, poll));
     }
@@ -1287,12 +1283,6 @@ impl Live {
             Some(s) => s.lifecycle.state(),
             None if slot.dropped => WorkState::Aborted,
             None => WorkState::Enqueued,
-        }
-    }
-
-    fn abort(&self) {
-        if let Some(f) = self.shared.abort.lock().unwrap_or_else(|p| p.into_inner()).as_ref() {
-            f(&format!("{} (seq {}) aborted by the user", self.shared.op, self.shared.seq));
         }
     }
 
