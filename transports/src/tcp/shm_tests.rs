@@ -6,7 +6,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use cohort_core::protocol::{Frame, FrameHeader, FrameKind};
-use cohort_core::shm::{Direction, Segment, SegmentHeader};
+use cohort_core::shm::{Consumer, Direction, Segment, SegmentHeader};
 use cohort_core::{GroupId, Rank, SeqNo};
 
 use super::link::{Assembler, BufferPool, CloseTally, Inbound};
@@ -15,11 +15,11 @@ use super::socket::{FastReader, InPlace, ShmPath, ShmStep, Waited, readable};
 
 #[test]
 fn a_ring_position_the_peer_corrupted_closes_the_connection_naming_it() {
-    let Pair { path, seg, mut asm, socket, _theirs } = pair();
-    assert!(matches!(path.step(&mut asm, Some(&socket)), ShmStep::Empty), "nothing yet");
+    let Pair { path, seg, mut asm, mut ring, socket, _theirs } = pair();
+    assert!(matches!(path.step(&mut asm, &mut ring, Some(&socket)), ShmStep::Empty), "nothing yet");
     // Rank 3 writes ring 1 (acceptor to creator); it claims 5,000 bytes in a 4,096-byte ring.
     seg.scribble(Direction::FromAcceptor, 0, 5000);
-    match path.step(&mut asm, Some(&socket)) {
+    match path.step(&mut asm, &mut ring, Some(&socket)) {
         ShmStep::End(Inbound::Closed { from, reason, clean }) => {
             assert_eq!(from, Rank(3));
             assert!(!clean);
@@ -37,6 +37,8 @@ struct Pair {
     path: Arc<ShmPath>,
     seg: Segment,
     asm: Assembler,
+    /// The ring we read (a reader holds it with the assembler).
+    ring: Consumer,
     /// Our end of the pair's socket.
     socket: Arc<std::net::TcpStream>,
     /// The peer's end: bind it, or the peer hangs up.
@@ -51,9 +53,11 @@ fn pair() -> Pair {
     let (ours, _) = listener.accept().unwrap();
     ours.set_nonblocking(true).unwrap();
     let socket = Arc::new(ours);
-    let path = ShmPath::new(&ShmLink { segment: seg.clone(), creator: true }, socket.clone());
+    let link = ShmLink { segment: seg.clone(), creator: true };
+    let path = ShmPath::new(&link, socket.clone());
+    let ring = seg.consumer(link.incoming());
     let asm = Assembler::new(Rank(3), cohort_core::protocol::FrameLimits::new(1 << 20), BufferPool::with_limit(0));
-    Pair { path, seg, asm, socket, _theirs: theirs }
+    Pair { path, seg, asm, ring, socket, _theirs: theirs }
 }
 
 fn data_frame(seq: u64, payload: &[u8]) -> Vec<u8> {
@@ -63,41 +67,41 @@ fn data_frame(seq: u64, payload: &[u8]) -> Vec<u8> {
 
 #[test]
 fn a_whole_data_frame_is_used_where_it_lies_and_anything_else_is_copied_alone() {
-    let Pair { path, seg, mut asm, _theirs, .. } = pair();
+    let Pair { path, seg, mut asm, mut ring, _theirs, .. } = pair();
     let mut peer = seg.producer(Direction::FromAcceptor);
     let heartbeat = Frame { header: FrameHeader::heartbeat(Rank(3)), payload: Vec::new() }.encode();
     let (first, second) = (data_frame(1, &[7; 100]), data_frame(2, &[9; 60]));
     peer.write([&heartbeat[..], &first[..], &second[..3]]).unwrap();
     // The heartbeat goes to the assembler alone: the data frame after it stays in the ring.
-    assert!(matches!(path.in_place(&mut asm, |_, _| panic!("not a data frame")), InPlace::Copied));
+    assert!(matches!(path.in_place(&mut asm, &mut ring, |_, _| panic!("not a data frame")), InPlace::Copied));
     assert!(matches!(asm.poll_frame(), Some(Ok(Inbound::Frame { header, .. })) if header.kind == FrameKind::Heartbeat));
     assert!(asm.poll_frame().is_none());
     let mut seen = Vec::new();
-    let fed = path.in_place(&mut asm, |h, payload| {
+    let fed = path.in_place(&mut asm, &mut ring, |h, payload| {
         seen.push((h.seq, payload.to_vec()));
         true
     });
     assert!(matches!(fed, InPlace::Fed));
     assert_eq!(seen, vec![(SeqNo(1), vec![7; 100])]);
     // Three bytes of the next frame: nothing whole yet.
-    assert!(matches!(path.in_place(&mut asm, |_, _| panic!("not whole")), InPlace::No));
+    assert!(matches!(path.in_place(&mut asm, &mut ring, |_, _| panic!("not whole")), InPlace::No));
     peer.write([&second[3..]]).unwrap();
     // Its collective does not run (the feeder says no): copied, and polled as usual.
-    assert!(matches!(path.in_place(&mut asm, |_, _| false), InPlace::Copied));
+    assert!(matches!(path.in_place(&mut asm, &mut ring, |_, _| false), InPlace::Copied));
     match asm.poll_frame() {
         Some(Ok(Inbound::Frame { header, payload, .. })) => assert_eq!((header.seq, payload), (SeqNo(2), vec![9; 60])),
         _ => panic!("the copied frame comes out of the assembler"),
     }
-    assert!(matches!(path.in_place(&mut asm, |_, _| panic!("empty")), InPlace::No));
+    assert!(matches!(path.in_place(&mut asm, &mut ring, |_, _| panic!("empty")), InPlace::No));
 }
 
 #[test]
 fn a_frame_in_place_from_another_rank_ends_the_connection() {
-    let Pair { path, seg, mut asm, _theirs, .. } = pair();
+    let Pair { path, seg, mut asm, mut ring, _theirs, .. } = pair();
     let mut peer = seg.producer(Direction::FromAcceptor);
     let header = FrameHeader::data(GroupId(0), SeqNo(1), 0, Rank(2), 4);
     peer.write([&Frame { header, payload: vec![0; 4] }.encode()[..]]).unwrap();
-    match path.in_place(&mut asm, |_, _| panic!("refused before it is fed")) {
+    match path.in_place(&mut asm, &mut ring, |_, _| panic!("refused before it is fed")) {
         InPlace::End(Inbound::Closed { from, reason, clean }) => {
             assert_eq!((from, clean), (Rank(3), false));
             assert_eq!(reason, "frame on rank 3's connection claims to come from rank 2");

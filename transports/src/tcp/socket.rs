@@ -187,7 +187,7 @@ impl AsyncWrite for SharedWrite {
 /// (see [`run_reader`] and [`REARM_BACKOFF_MAX`]).
 pub(crate) struct FastReader {
     socket: Arc<FastSocket>,
-    asm: Mutex<Assembler>,
+    read: Mutex<Reading>,
     tally: Arc<CloseTally>,
     ended: AtomicBool,
     /// Whether the epoll set is armed (or has fired and its event is not yet taken).
@@ -214,6 +214,17 @@ pub(crate) struct FastReader {
     kick: tokio::sync::Notify,
 }
 
+/// What a connection is read with, by one thread at a time (a drain, or a thread that holds it
+/// to wait for one frame): the assembler, and over shared memory the incoming ring. One lock
+/// for both: a reader always wants the two together (a thread that waits for one frame took
+/// two locks and released two at every small collective), and the ring alone is only asked
+/// whether bytes wait, which a reader that holds it is finding out anyway.
+struct Reading {
+    asm: Assembler,
+    /// Over shared memory, the incoming ring: `Some` exactly when the reader's `shm` is.
+    ring: Option<Consumer>,
+}
+
 impl FastReader {
     pub(crate) fn new(
         socket: Arc<FastSocket>,
@@ -227,11 +238,12 @@ impl FastReader {
         let kick = tokio::sync::Notify::new();
         let socket_ready = AtomicBool::new(false);
         let peer = asm.from();
+        let ring = shm.as_ref().map(|path| path.link.segment.consumer(path.link.incoming()));
         let reader = FastReader {
             socket,
             peer,
             quiet: AtomicBool::new(false),
-            asm: Mutex::new(asm),
+            read: Mutex::new(Reading { asm, ring }),
             tally,
             ended,
             armed,
@@ -249,9 +261,22 @@ impl FastReader {
     /// Over shared memory: ask the peer for a doorbell, or, if bytes wait already, wake the
     /// reader task instead.
     fn request_data(&self) {
-        if self.shm.as_ref().is_some_and(|p| p.request_data()) {
+        if self.shm.is_some() {
+            self.request_data_on(self.reading().ring.as_ref());
+        }
+    }
+
+    /// [`FastReader::request_data`] by a thread that holds the reading side (`ring` is its
+    /// ring).
+    fn request_data_on(&self, ring: Option<&Consumer>) {
+        // A corrupt ring asks for a look, whose drain reports it.
+        if ring.is_some_and(|ring| ring.request_data().unwrap_or(true)) {
             self.kick.notify_one();
         }
+    }
+
+    fn reading(&self) -> std::sync::MutexGuard<'_, Reading> {
+        self.read.lock().unwrap_or_else(|p| p.into_inner())
     }
 
     /// Hold this connection's reading side for a thread that waits for one frame in its
@@ -263,12 +288,11 @@ impl FastReader {
         if self.ended() {
             return None;
         }
-        let asm = self.asm.try_lock().ok()?;
-        if !asm.can_peek() {
+        let read = self.read.try_lock().ok()?;
+        if read.ring.is_none() || !read.asm.can_peek() {
             return None;
         }
-        let ring = path.incoming.try_lock().ok()?;
-        Some(Held { asm, ring, path })
+        Some(Held { read, path })
     }
 
     /// Deliver the last word a held ring gave ([`Waited::End`]) as a drain does: the connection
@@ -313,7 +337,14 @@ impl FastReader {
     /// Whether the incoming ring holds bytes (or is corrupt, which a drain reports); false on
     /// a plain connection.
     fn ring_waiting(&self) -> bool {
-        self.shm.as_ref().is_some_and(|p| p.waiting())
+        if self.shm.is_none() {
+            return false;
+        }
+        match self.read.try_lock() {
+            Ok(read) => read.ring.as_ref().is_some_and(|ring| ring.available() != Ok(0)),
+            // Someone reads it now.
+            Err(_) => false,
+        }
     }
 
     /// Whether the connection carries small frames both ways (a peer's first connection: see
@@ -366,15 +397,16 @@ impl FastReader {
         if self.ended() {
             return false;
         }
-        let mut asm = if inline {
-            match self.asm.try_lock() {
+        let mut read = if inline {
+            match self.read.try_lock() {
                 Ok(g) => g,
                 Err(TryLockError::WouldBlock) => return false,
                 Err(TryLockError::Poisoned(p)) => p.into_inner(),
             }
         } else {
-            self.asm.lock().unwrap_or_else(|p| p.into_inner())
+            self.reading()
         };
+        let Reading { asm, ring } = &mut *read;
         let mut delivered = false;
         // A read that fills less than its buffer found the socket empty: stop there rather than
         // pay a system call for the `WouldBlock` (what comes later, `poll` and the re-armed
@@ -391,12 +423,12 @@ impl FastReader {
             if self.ended() || emptied {
                 return delivered;
             }
-            if let Some(path) = &self.shm {
+            if let (Some(path), Some(ring)) = (&self.shm, ring.as_mut()) {
                 let from = asm.from();
                 let fed = |header: &FrameHeader, payload: &[u8]| {
                     inner.input_into(acc, |st, fx| st.handle_frame_in_place(super::now(), from, header, payload, fx))
                 };
-                match path.in_place(&mut asm, fed) {
+                match path.in_place(asm, ring, fed) {
                     InPlace::Fed => {
                         delivered = true;
                         continue;
@@ -406,13 +438,13 @@ impl FastReader {
                     InPlace::No => {}
                 }
                 let socket = !inline || self.socket_ready.swap(false, Ordering::AcqRel);
-                match path.step(&mut asm, socket.then_some(&*self.socket.std)) {
+                match path.step(asm, ring, socket.then_some(&*self.socket.std)) {
                     ShmStep::Read => continue,
                     ShmStep::Bells => {
                         // The peer rang because the task asked; if it still relies on
                         // doorbells, ask again (this thread may stop reading any moment).
                         if self.armed.load(Ordering::Acquire) {
-                            self.request_data();
+                            self.request_data_on(Some(ring));
                         }
                         continue;
                     }
@@ -465,8 +497,8 @@ impl FastReader {
         };
         // Awake: what the peer writes now is read without a doorbell. The request is withdrawn
         // before `armed` is cleared, so that an `arm` in between leaves it standing.
-        if let Some(path) = &self.shm {
-            path.cancel_data_request();
+        if let Some(ring) = &self.reading().ring {
+            ring.cancel_data_request();
         }
         self.armed.store(false, Ordering::Release);
         fired
@@ -527,7 +559,6 @@ pub(crate) fn readable(readers: &[Arc<FastReader>], sockets: bool) -> impl Itera
 
 /// A connection's shared-memory rings and what serves them (see the [module docs](self)).
 pub(crate) struct ShmPath {
-    incoming: Mutex<Consumer>,
     /// The segment, to say where this rank's waiting thread runs and to read where the
     /// peer's does ([`Segment::poller_core`]).
     link: ShmLink,
@@ -567,8 +598,8 @@ pub(crate) const SHARED_CORE_CHECK: Duration = Duration::from_micros(4);
 /// A shared-memory connection's reading side, held by one thread that waits for one frame
 /// ([`FastReader::hold`]): nobody else reads the ring meanwhile.
 pub(crate) struct Held<'a> {
-    asm: std::sync::MutexGuard<'a, Assembler>,
-    ring: std::sync::MutexGuard<'a, Consumer>,
+    /// With its ring: [`FastReader::hold`] holds only a shared-memory connection.
+    read: std::sync::MutexGuard<'a, Reading>,
     path: &'a ShmPath,
 }
 
@@ -592,7 +623,8 @@ impl Held<'_> {
         mut take: impl FnMut(&FrameHeader, &[u8]) -> bool,
         slow: impl FnOnce() -> bool,
     ) -> Waited {
-        let Held { asm, ring, path } = self;
+        let Held { read, path } = self;
+        let Reading { asm, ring: Some(ring) } = &mut **read else { return Waited::Other };
         let mut looks = 0u32;
         // The wall clock, not the runtime's (a paused runtime clock may stand anywhere), read
         // first after a few looks: a peer in step has sent by then, and then it is not read.
@@ -682,13 +714,7 @@ pub(crate) enum ShmStep {
 impl ShmPath {
     pub(crate) fn new(link: &ShmLink, socket: Arc<StdStream>) -> Arc<ShmPath> {
         let wire = Arc::new(ShmWire { out: Mutex::new(link.segment.producer(link.outgoing())), socket });
-        Arc::new(ShmPath {
-            incoming: Mutex::new(link.segment.consumer(link.incoming())),
-            link: link.clone(),
-            wire,
-            space: Mutex::new(None),
-            eof: AtomicBool::new(false),
-        })
+        Arc::new(ShmPath { link: link.clone(), wire, space: Mutex::new(None), eof: AtomicBool::new(false) })
     }
 
     /// Tell the peer that this rank's waiting thread runs on `core` (`None`: it sleeps), and
@@ -703,35 +729,17 @@ impl ShmPath {
         self.wire.clone()
     }
 
-    fn ring(&self) -> std::sync::MutexGuard<'_, Consumer> {
-        self.incoming.lock().unwrap_or_else(|p| p.into_inner())
-    }
-
-    fn waiting(&self) -> bool {
-        match self.incoming.try_lock() {
-            Ok(ring) => ring.available() != Ok(0),
-            // Someone reads it now.
-            Err(_) => false,
-        }
-    }
-
-    /// Ask the peer for a doorbell; true if bytes wait already (or the ring is corrupt, which
-    /// a drain reports), so that the reader must look without one.
-    fn request_data(&self) -> bool {
-        self.ring().request_data().unwrap_or(true)
-    }
-
-    fn cancel_data_request(&self) {
-        self.ring().cancel_data_request();
-    }
-
     /// Take the frame at the ring's read position, if it lies whole there (not wrapping) and
     /// the assembler stands between frames: a data frame `feed` takes (it says whether its
     /// collective runs) is used where it lies, and released after; any other whole frame is
     /// copied into the assembler alone, so that the frames after it can still be used in
     /// place. `feed` runs with the ring locked.
-    pub(crate) fn in_place(&self, asm: &mut Assembler, feed: impl FnOnce(&FrameHeader, &[u8]) -> bool) -> InPlace {
-        let mut ring = self.ring();
+    pub(crate) fn in_place(
+        &self,
+        asm: &mut Assembler,
+        ring: &mut Consumer,
+        feed: impl FnOnce(&FrameHeader, &[u8]) -> bool,
+    ) -> InPlace {
         let taken = ring.read_in_place(|bytes| match asm.peek_frame(bytes) {
             None => (0, InPlace::No),
             Some(Err(last)) => (0, InPlace::End(last)),
@@ -761,8 +769,7 @@ impl ShmPath {
     /// doorbells (which may also be for the writer: room in the outgoing ring) and its end.
     /// `socket`: look at the socket too (a polling thread does only when `poll(2)` said it
     /// has something).
-    pub(crate) fn step(&self, asm: &mut Assembler, socket: Option<&StdStream>) -> ShmStep {
-        let mut ring = self.ring();
+    pub(crate) fn step(&self, asm: &mut Assembler, ring: &mut Consumer, socket: Option<&StdStream>) -> ShmStep {
         match ring.read(asm.read_buf()) {
             Ok(0) => {}
             Ok(n) => {
@@ -774,7 +781,6 @@ impl ShmPath {
             }
             Err(e) => return ShmStep::End(ring_failed(asm, &e)),
         }
-        drop(ring);
         if self.eof.load(Ordering::Acquire) {
             return ShmStep::End(asm.eof());
         }
