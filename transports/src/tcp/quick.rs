@@ -278,6 +278,15 @@ impl Gate {
     }
 }
 
+/// The time as [`super::now`] gives it where a work runs to its end here: tokio's clock,
+/// which only the simulator pauses, and the simulator has no shared memory, so it is the wall
+/// clock. Read straight, without tokio's look at whether it is paused (a thread-local lookup
+/// at each of a work's two readings).
+#[inline]
+fn wall_now() -> Instant {
+    Instant::now()
+}
+
 /// Whether `tensors`' allreduce may try this path (see the module docs): a world of a power of
 /// two ranks, one small tensor, the path on and not skipping.
 pub(super) fn open(inner: &Inner, tensors: &[Tensor]) -> bool {
@@ -324,7 +333,7 @@ pub(super) fn allreduce(inner: &Arc<Inner>, tensors: Vec<Tensor>, op: ReduceOp) 
             return usual(st, fx, super::allreduce_collective(&tensors), tensors);
         };
         st.quick_collective(&tensors[0]);
-        let started = super::now();
+        let started = wall_now();
         let mut exchange = match st.quick_start(started, tensors, op, plan, hook) {
             Err(e) => return (Err(Box::new(e)), None),
             Ok(QuickStart::Busy(tensors)) => {
@@ -365,7 +374,7 @@ pub(super) fn allreduce(inner: &Arc<Inner>, tensors: Vec<Tensor>, op: ReduceOp) 
                 }
                 Waited::Took => {
                     let submitted = exchange.submitted();
-                    let end = st.quick_finish(super::now(), exchange, fx);
+                    let end = st.quick_finish(wall_now(), exchange, fx);
                     // This thread read the ring for its work as a polling thread does: the
                     // reader tasks may leave their wake-ups off for a while, as after a polled
                     // work (`Inner::rearm_in`). Otherwise one that re-armed finds the peer's
