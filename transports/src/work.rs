@@ -846,15 +846,16 @@ struct Done {
     op: OpType,
     /// From its start to its end.
     duration: Option<Duration>,
-    /// Taken by the first [`Work::result`] or await.
-    outputs: Mutex<Option<Vec<Tensor>>>,
+    /// Taken by the first [`Work::result`] or await: one atomic swap, where a lock would be
+    /// two locked instructions at every small collective.
+    outputs: atomic_take::AtomicTake<Vec<Tensor>>,
     abort: Mutex<Option<AbortFn>>,
     span: tracing::Span,
 }
 
 impl Done {
     fn take_outputs(&self) -> Vec<Tensor> {
-        self.outputs.lock().unwrap_or_else(|p| p.into_inner()).take().unwrap_or_default()
+        self.outputs.take().unwrap_or_default()
     }
 }
 
@@ -900,7 +901,7 @@ impl Work {
             seq,
             op,
             duration: summary.lifecycle.duration(),
-            outputs: Mutex::new(Some(outputs)),
+            outputs: atomic_take::AtomicTake::new(outputs),
             abort: Mutex::new(None),
             span,
         };
