@@ -8,7 +8,8 @@
 //! two ranks of a pair never contend for one socket.
 
 use std::io::{self, Write};
-use std::sync::{Arc, Mutex};
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard, OnceLock};
 
 use bytes::Bytes;
 use cohort_core::protocol::{FrameHeader, FrameKind, HEADER_LEN};
@@ -80,15 +81,51 @@ pub(crate) fn lane() -> (LaneTx, LaneRx) {
 /// back, only when no frame is queued or being written; held-back bytes go out before
 /// anything queued after them.
 #[derive(Debug, Default)]
-pub(crate) struct Gate(Mutex<GateState>);
+pub(crate) struct Gate {
+    state: Mutex<GateState>,
+    /// What the writer task writes to, once known to take direct writes: a real TCP socket,
+    /// or the connection's shared-memory ring.
+    socket: OnceLock<Arc<dyn Wire>>,
+    /// Whether anything is ahead of a frame a sender would write now: the frames queued and
+    /// not yet written, plus one while bytes are held back, as every release of `state`
+    /// leaves them ([`GateGuard`]). A whole frame's write ([`LaneTx::try_write_whole`]) reads
+    /// this instead of taking the lock: a frame sent after another (in any thread's order)
+    /// sees that one counted here until the writer task has written it, and what is queued or
+    /// held back meanwhile by a sender not ordered with this one has no order to keep.
+    ahead: AtomicUsize,
+}
+
+/// The gate's state, held; its release leaves [`Gate::ahead`] saying what it holds.
+struct GateGuard<'a> {
+    state: MutexGuard<'a, GateState>,
+    ahead: &'a AtomicUsize,
+}
+
+impl std::ops::Deref for GateGuard<'_> {
+    type Target = GateState;
+    fn deref(&self) -> &GateState {
+        &self.state
+    }
+}
+
+impl std::ops::DerefMut for GateGuard<'_> {
+    fn deref_mut(&mut self) -> &mut GateState {
+        &mut self.state
+    }
+}
+
+impl Drop for GateGuard<'_> {
+    fn drop(&mut self) {
+        // Stored while the lock is still held (the guard's fields are dropped after this).
+        let ahead = self.state.queued + usize::from(!self.state.cork.is_empty());
+        self.ahead.store(ahead, Ordering::Release);
+    }
+}
 
 #[derive(Debug, Default)]
 struct GateState {
     /// Frames handed to the writer task and not yet written by it.
     queued: usize,
-    /// What the writer task writes to, once known to take direct writes: a real TCP socket,
-    /// or the connection's shared-memory ring.
-    socket: Option<Arc<dyn Wire>>,
     /// Whole frames held back (see [`Corks`]). Never non-empty while `queued` is not 0.
     cork: Vec<u8>,
     /// The gate is on its group's [`Corks`] list.
@@ -101,12 +138,12 @@ struct GateState {
 impl GateState {
     /// Write the held-back bytes now; what the socket does not take goes to the writer's
     /// queue (ahead of anything queued later). False if that queue is gone (the bytes stay for
-    /// the writer's last write, see [`Gate::close`]).
-    fn unload(&mut self) -> bool {
+    /// the writer's last write, see [`Gate::close`]). `socket`: the gate's.
+    fn unload(&mut self, socket: Option<&Arc<dyn Wire>>) -> bool {
         if self.cork.is_empty() {
             return true;
         }
-        let done = self.socket.as_ref().map_or(0, |s| write_now(s, &self.cork, &[]));
+        let done = socket.map_or(0, |s| write_now(s, &self.cork, &[]));
         if done == self.cork.len() {
             self.cork.clear();
             return true;
@@ -125,13 +162,14 @@ impl GateState {
 }
 
 impl Gate {
-    fn lock(&self) -> std::sync::MutexGuard<'_, GateState> {
-        self.0.lock().unwrap_or_else(|p| p.into_inner())
+    fn lock(&self) -> GateGuard<'_> {
+        GateGuard { state: self.state.lock().unwrap_or_else(|p| p.into_inner()), ahead: &self.ahead }
     }
 
-    /// Let senders write to `socket` themselves (the one the writer task writes to).
+    /// Let senders write to `socket` themselves (the one the writer task writes to). A
+    /// connection's writer writes to one thing all its life: a second call changes nothing.
     pub(crate) fn open(&self, socket: Arc<dyn Wire>) {
-        self.lock().socket = Some(socket);
+        let _ = self.socket.set(socket);
     }
 
     /// The writer task wrote (or gave up on) `n` queued frames.
@@ -144,7 +182,7 @@ impl Gate {
     pub(super) fn flush(&self) {
         let mut g = self.lock();
         g.listed = false;
-        g.unload();
+        g.unload(self.socket.get());
     }
 
     /// The writer task is done with its queue (every sender is gone, so nothing is held back
@@ -167,16 +205,15 @@ impl LaneTx {
     /// sender write, nothing is queued or held back ahead of it, and the connection's wire takes
     /// all of it at once ([`Wire::try_write_whole`]): true if it went. False leaves nothing
     /// written, for [`LaneTx::send_slice`] to send it as it sends any frame. A small frame's
-    /// shortest way out: one lock of the gate, no vector of slices, no partial write to queue.
+    /// shortest way out: no lock of the gate ([`Gate::ahead`]), no vector of slices, no partial
+    /// write to queue.
     pub(crate) fn try_write_whole(&self, frame: &[u8], mode: &SendMode) -> bool {
         if !mode.direct || mode.cork.is_some() {
             return false;
         }
-        let g = self.gate.lock();
-        g.queued == 0
-            && g.cork.is_empty()
+        self.gate.ahead.load(Ordering::Acquire) == 0
             && !self.tx.is_closed()
-            && g.socket.as_ref().is_some_and(|socket| socket.try_write_whole(frame))
+            && self.gate.socket.get().is_some_and(|socket| socket.try_write_whole(frame))
     }
 
     /// Send `header` and `payload` as `mode` allows, if nothing is queued ahead of them: held
@@ -198,7 +235,7 @@ impl LaneTx {
         if let Some(corks) = &mode.cork
             && g.queued == 0
             && !self.tx.is_closed()
-            && g.socket.is_some()
+            && self.gate.socket.get().is_some()
             && g.cork.len() + HEADER_LEN + payload.len() <= CORK_LIMIT
         {
             g.cork.extend_from_slice(&head);
@@ -209,14 +246,14 @@ impl LaneTx {
             return Sent::Written;
         }
         // What is held back goes first.
-        if !g.unload() {
+        if !g.unload(self.gate.socket.get()) {
             return Sent::Gone;
         }
         let mut done = 0;
         if mode.direct
             && g.queued == 0
             && !self.tx.is_closed()
-            && let Some(socket) = g.socket.as_ref()
+            && let Some(socket) = self.gate.socket.get()
         {
             done = write_now(socket, &head, payload);
             if done == HEADER_LEN + payload.len() {
@@ -413,6 +450,67 @@ mod tests {
         drop(rx);
         assert!(!tx.try_write_whole(&bytes(8), &SendMode::DIRECT), "the writer task is gone");
         assert_eq!(*wire.took.lock().unwrap(), vec![bytes(2), bytes(5)]);
+    }
+
+    /// A wire that takes every whole write, and keeps the number each frame starts with.
+    #[derive(Debug, Default)]
+    struct Numbered(Mutex<Vec<u32>>);
+
+    impl Numbered {
+        fn took(&self, bytes: &[u8]) {
+            let n = u32::from_le_bytes(bytes[..4].try_into().expect("a numbered frame"));
+            self.0.lock().unwrap().push(n);
+        }
+    }
+
+    impl Wire for Numbered {
+        fn try_write(&self, _: &[io::IoSlice<'_>]) -> io::Result<usize> {
+            Ok(0)
+        }
+
+        fn try_write_whole(&self, frame: &[u8]) -> bool {
+            self.took(frame);
+            true
+        }
+    }
+
+    #[test]
+    fn whole_writes_that_skip_the_gates_lock_never_pass_a_frame_queued_before_them() {
+        // One thread sends numbered frames, some through the writer's queue and the rest
+        // written whole where nothing is ahead (else queued, as the driver does); another is
+        // the writer task, which writes what is queued to the same wire, then says so. The wire
+        // must see them in the order sent.
+        const FRAMES: u32 = 20_000;
+        let (tx, mut rx) = lane();
+        let wire = Arc::new(Numbered::default());
+        tx.gate.open(wire.clone());
+        let numbered = |n: u32| {
+            let header = FrameHeader::data(GroupId(0), SeqNo(u64::from(n)), 0, Rank(0), 4);
+            Outbound::new(header, Bytes::copy_from_slice(&n.to_le_bytes()), None)
+        };
+        let writer = {
+            let wire = wire.clone();
+            std::thread::spawn(move || {
+                while let Some(out) = rx.rx.blocking_recv() {
+                    wire.took(&out.payload);
+                    rx.gate.written(1);
+                }
+            })
+        };
+        let mut whole = 0;
+        for n in 0..FRAMES {
+            if n % 3 == 0 || !tx.try_write_whole(&n.to_le_bytes(), &SendMode::DIRECT) {
+                assert_eq!(tx.send(numbered(n), SendMode::QUEUE), Sent::Queued);
+            } else {
+                whole += 1;
+            }
+        }
+        drop(tx);
+        writer.join().unwrap();
+        let took = wire.0.lock().unwrap();
+        assert_eq!(took.len(), FRAMES as usize);
+        assert!(took.iter().copied().eq(0..FRAMES), "frames out of order");
+        assert!(whole > 0, "some frames went whole (the test would prove nothing otherwise)");
     }
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
