@@ -825,8 +825,10 @@ pub struct Work(Repr);
 enum Repr {
     /// A work the runtime finishes through its [`WorkCompleter`].
     Live(Live),
-    /// A work that succeeded inside its submit call.
-    Done(Arc<Done>),
+    /// A work that succeeded inside its submit call. Its `Arc` keeps no weak count: the last
+    /// handle's drop is one locked instruction, not two (std's `Arc` also counts its weak
+    /// references down).
+    Done(triomphe::Arc<Done>),
 }
 
 /// A work with a completer: its state behind a lock, for waiters to sleep on or poll.
@@ -905,7 +907,7 @@ impl Work {
             abort: Mutex::new(None),
             span,
         };
-        (Work(Repr::Done(Arc::new(done))), call)
+        (Work(Repr::Done(triomphe::Arc::new(done))), call)
     }
 
     /// Wrap a future as a work (c10d's `FutureWrappingWork`): it succeeds with the future's
