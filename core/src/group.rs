@@ -821,6 +821,33 @@ pub enum Inline<T = ()> {
     Busy,
 }
 
+/// A time given to the core's inline works ([`GroupState::submit_inline`],
+/// [`GroupState::finish_inline`]): an [`Instant`], or a time already counted from the group's
+/// epoch ([`SinceEpoch`]) by a caller that keeps its own clock, which the core would only
+/// count again.
+pub trait Moment {
+    /// The time, counted from `epoch` (zero for a time before it).
+    fn since(self, epoch: Instant) -> Duration;
+}
+
+impl Moment for Instant {
+    #[inline]
+    fn since(self, epoch: Instant) -> Duration {
+        self.saturating_duration_since(epoch)
+    }
+}
+
+/// A time counted from the group's epoch ([`GroupState::epoch`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
+pub struct SinceEpoch(pub Duration);
+
+impl Moment for SinceEpoch {
+    #[inline]
+    fn since(self, _: Instant) -> Duration {
+        self.0
+    }
+}
+
 /// A started collective that the caller runs to its end itself ([`GroupState::submit_inline`]);
 /// inside the group, also a new work's parts on their way into the table.
 #[derive(Debug)]
@@ -1077,7 +1104,7 @@ impl GroupState {
     /// does not take.
     pub fn submit_inline<T>(
         &mut self,
-        now: Instant,
+        now: impl Moment,
         checked: &Checked,
         first: impl FnOnce(WorkId, SeqNo) -> T,
     ) -> Result<Inline<T>, SubmitError> {
@@ -1086,7 +1113,7 @@ impl GroupState {
         if !idle || collective.op.is_p2p() || !matches!(self.health, Health::Healthy) {
             return Ok(Inline::Busy);
         }
-        let now = self.since_epoch(now);
+        let now = now.since(self.epoch);
         // Checked for this rank and size already: not again (a description checked for
         // another group is).
         let already = checked.rank == self.rank && checked.world_size == self.cfg.world_size;
@@ -1126,11 +1153,11 @@ impl GroupState {
     /// collective.
     pub fn finish_inline(
         &mut self,
-        now: Instant,
+        now: impl Moment,
         work: InlineWork,
         heard_from: impl IntoIterator<Item = Rank>,
     ) -> WorkSummary {
-        let now = self.since_epoch(now);
+        let now = now.since(self.epoch);
         if self.inline_heard.is_none_or(|t| now >= t.saturating_add(INLINE_HEARD_EVERY)) {
             self.inline_heard = Some(now);
             for from in heard_from {
@@ -2431,7 +2458,9 @@ mod tests {
         #[allow(clippy::disallowed_methods)] // the test's one epoch
         let t0 = Instant::now();
         let ms = |n| t0 + Duration::from_millis(n);
-        let (mut usual, mut inline) = (group_at(t0), group_at(t0));
+        // The same times, counted from the epoch by the caller.
+        let since = |n| SinceEpoch(Duration::from_millis(n));
+        let (mut usual, mut inline, mut counted) = (group_at(t0), group_at(t0), group_at(t0));
         for i in 0..3 {
             let want = run_usual(&mut usual, ms(10 * i), Some(ms(10 * i + 3))).unwrap();
             let first = inline.submit_inline(ms(10 * i), &checked(allreduce(4)), |id, seq| (id, seq)).unwrap();
@@ -2442,8 +2471,15 @@ mod tests {
             assert!(inline.poll_launch().is_none());
             assert_eq!(inline.finish_inline(ms(10 * i + 3), w, []), want);
             assert!(drain_events(&mut inline).is_empty(), "its summary was returned, not queued");
+            let Inline::Running(w, ()) =
+                counted.submit_inline(since(10 * i), &checked(allreduce(4)), |_, _| ()).unwrap()
+            else {
+                panic!("an idle group runs it inline")
+            };
+            assert_eq!(counted.finish_inline(since(10 * i + 3), w, []), want, "times counted from the epoch");
         }
         assert_eq!(inline.dump(), usual.dump(), "the same flight-recorder entries, times and statuses");
+        assert_eq!(counted.dump(), usual.dump(), "and with times counted from the epoch");
 
         // Adopted: it finishes by the usual completion, as the usual work does.
         let want = run_usual(&mut usual, ms(40), Some(ms(45))).unwrap();
