@@ -82,6 +82,10 @@ impl ProcessGroup {
                 expected: "a power of two from 4096 to 1073741824".into(),
             });
         }
+        // The quick path's clock calibrates while the group connects.
+        let ticks = (world_size > 1 && opts.shm_quick && may_share_memory::<N>(&opts))
+            .then(super::quick::calibrating)
+            .flatten();
         let me = Rank(rank);
         let k = opts.connections_per_peer;
         let (streams, lazy_listener) = if world_size == 1 {
@@ -216,6 +220,10 @@ impl ProcessGroup {
         }
         inner.tasks.lock().unwrap_or_else(|p| p.into_inner()).extend(tasks);
         inner.timer.notify_one();
+        if let Some(ticks) = ticks {
+            // Only a panic fails it; the clock then reads the wall clock, as without a counter.
+            let _ = ticks.await;
+        }
         super::sigterm::register(Arc::downgrade(&inner) as std::sync::Weak<dyn super::sigterm::Report>);
         Ok(ProcessGroup::from_inner(inner))
     }

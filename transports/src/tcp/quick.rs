@@ -73,7 +73,7 @@ use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, AtomicUsize, Ordering}
 use std::sync::{Arc, OnceLock};
 use std::time::{Duration, Instant};
 
-use cohort_core::group::SubmitError;
+use cohort_core::group::{SinceEpoch, SubmitError};
 use cohort_core::reduce::ReduceOp;
 use cohort_core::tensor::Tensor;
 use cohort_core::work::Rank;
@@ -278,13 +278,103 @@ impl Gate {
     }
 }
 
-/// The time as [`super::now`] gives it where a work runs to its end here: tokio's clock,
-/// which only the simulator pauses, and the simulator has no shared memory, so it is the wall
-/// clock. Read straight, without tokio's look at whether it is paused (a thread-local lookup
-/// at each of a work's two readings).
-#[inline]
-fn wall_now() -> Instant {
-    Instant::now()
+/// The time-stamp counter, calibrated against the wall clock once per process
+/// ([`calibrate_ticks`]), for [`QuickClock`]. Set only where the kernel's own clock is the
+/// counter: it then ticks at one rate on every core, as the wall clock does.
+static TICKS: OnceLock<quanta::Clock> = OnceLock::new();
+
+/// How long a [`QuickClock`] counts from one reading of the wall clock before it reads it
+/// again. The counter and the wall clock may drift apart by at most the kernel's slew of the
+/// wall clock (0.05 %), half a microsecond over this; a longer count (a counter that jumped,
+/// a thread moved to a core whose counter disagrees) reads the wall clock instead.
+const ANCHOR_FOR: Duration = Duration::from_millis(1);
+
+/// The longest a reading of the wall clock may take between the counter's readings around it
+/// for it to anchor the count (it takes tens of nanoseconds).
+const ANCHOR_READ: Duration = Duration::from_micros(5);
+
+/// Calibrate [`TICKS`] once per process (quanta spins for about half a millisecond where the
+/// host is quiet, up to 200 ms on a crowded one), if the kernel keeps time with the counter.
+/// Blocks; a group being made runs it beside its connecting ([`calibrating`]).
+pub(super) fn calibrate_ticks() {
+    if kernel_keeps_time_with_the_counter() {
+        TICKS.get_or_init(quanta::Clock::new);
+    }
+}
+
+/// [`calibrate_ticks`] on the runtime's blocking threads, unless it is done: a group being made
+/// awaits it before its first collective, so that the calibration's spinning never takes a
+/// core from a rank that runs one (two ranks of a pair sharing two cores with it made their
+/// waits run out, and the path closed for thousands of works).
+pub(super) fn calibrating() -> Option<tokio::task::JoinHandle<()>> {
+    (TICKS.get().is_none() && kernel_keeps_time_with_the_counter())
+        .then(|| tokio::task::spawn_blocking(calibrate_ticks))
+}
+
+/// Whether the kernel's clock source is the time-stamp counter, which it uses only where it
+/// found the counter constant-rate and in step across cores.
+fn kernel_keeps_time_with_the_counter() -> bool {
+    cfg!(target_arch = "x86_64")
+        && std::fs::read_to_string("/sys/devices/system/clocksource/clocksource0/current_clocksource")
+            .is_ok_and(|source| source.trim() == "tsc")
+}
+
+/// The time as [`super::now`] gives it, counted from the group's epoch, for the works that
+/// run to their end here (their start and their end): the wall clock (tokio's clock is paused
+/// only in the simulator, which has no shared memory) read at most every [`ANCHOR_FOR`], and in
+/// between that reading plus the time-stamp counter's count since ([`TICKS`]).
+///
+/// Why: a reading of the wall clock waits for every instruction before it to finish (the
+/// kernel's clock reads the counter in order with them), which here costs as much as a tenth
+/// of a small allreduce's time, twice a work; a plain read of the counter does not wait. And
+/// the core counts a work's times from the epoch: counted so here, they are not made
+/// `Instant`s only to be counted again. Never earlier than its last answer.
+#[derive(Debug)]
+pub(crate) struct QuickClock {
+    epoch: Instant,
+    /// The last reading of the wall clock, in nanoseconds from the epoch, and the counter then.
+    anchor: Option<(u64, u64)>,
+    /// The last answer, in nanoseconds from the epoch.
+    last: u64,
+}
+
+impl QuickClock {
+    /// A clock for a group whose epoch is `epoch`.
+    pub(crate) fn new(epoch: Instant) -> QuickClock {
+        QuickClock { epoch, anchor: None, last: 0 }
+    }
+
+    #[inline]
+    pub(crate) fn now(&mut self) -> SinceEpoch {
+        let ns = match (TICKS.get(), self.anchor) {
+            (Some(clock), Some((at, then))) => {
+                let since = clock.delta_as_nanos(then, clock.raw());
+                if since < ANCHOR_FOR.as_nanos() as u64 { at + since } else { self.anchor_now(clock) }
+            }
+            (Some(clock), None) => self.anchor_now(clock),
+            (None, _) => self.wall(),
+        };
+        let ns = ns.max(self.last);
+        self.last = ns;
+        SinceEpoch(Duration::from_nanos(ns))
+    }
+
+    /// The wall clock, in nanoseconds from the epoch.
+    fn wall(&self) -> u64 {
+        u64::try_from(Instant::now().saturating_duration_since(self.epoch).as_nanos()).unwrap_or(u64::MAX)
+    }
+
+    /// Read the wall clock, and the counter around it: a reading the thread was descheduled in
+    /// the middle of (the counter moved on by more than [`ANCHOR_READ`]) anchors nothing, since
+    /// counting from it would be off by as long as the thread was away.
+    #[cold]
+    fn anchor_now(&mut self, clock: &quanta::Clock) -> u64 {
+        let before = clock.raw();
+        let now = self.wall();
+        let after = clock.raw();
+        self.anchor = (clock.delta(before, after) < ANCHOR_READ).then(|| (now, before + (after - before) / 2));
+        now
+    }
 }
 
 /// Whether `tensors`' allreduce may try this path (see the module docs): a world of a power of
@@ -333,7 +423,7 @@ pub(super) fn allreduce(inner: &Arc<Inner>, tensors: Vec<Tensor>, op: ReduceOp) 
             return usual(st, fx, super::allreduce_collective(&tensors), tensors);
         };
         st.quick_collective(&tensors[0]);
-        let started = wall_now();
+        let started = st.quick_clock.now();
         let mut exchange = match st.quick_start(started, tensors, op, plan, hook) {
             Err(e) => return (Err(Box::new(e)), None),
             Ok(QuickStart::Busy(tensors)) => {
@@ -341,7 +431,7 @@ pub(super) fn allreduce(inner: &Arc<Inner>, tensors: Vec<Tensor>, op: ReduceOp) 
                 return usual(st, fx, collective, tensors);
             }
             Ok(QuickStart::Unsent(exchange, gone)) => {
-                let work = st.quick_unsent(started, exchange, gone, fx);
+                let work = st.quick_unsent(super::now(), exchange, gone, fx);
                 return (Ok(QuickEnd::Work(work)), None);
             }
             Ok(QuickStart::Sent(exchange)) => exchange,
@@ -374,7 +464,8 @@ pub(super) fn allreduce(inner: &Arc<Inner>, tensors: Vec<Tensor>, op: ReduceOp) 
                 }
                 Waited::Took => {
                     let submitted = exchange.submitted();
-                    let end = st.quick_finish(wall_now(), exchange, fx);
+                    let now = st.quick_clock.now();
+                    let end = st.quick_finish(now, exchange, fx);
                     // This thread read the ring for its work as a polling thread does: the
                     // reader tasks may leave their wake-ups off for a while, as after a polled
                     // work (`Inner::rearm_in`). Otherwise one that re-armed finds the peer's
@@ -595,6 +686,45 @@ mod tests {
         assert_eq!((n1.counts[0], n1.counts[1]), (1, 0), "only the peers' threads");
         for pg in pgs {
             pg.shutdown();
+        }
+    }
+
+    #[test]
+    fn the_quick_clock_keeps_to_the_wall_clock_and_never_goes_back() {
+        super::calibrate_ticks();
+        let counted = super::kernel_keeps_time_with_the_counter();
+        let calibrating = Instant::now();
+        while counted && super::TICKS.get().is_none() {
+            assert!(calibrating.elapsed() < Duration::from_secs(5), "the counter's calibration never ended");
+            std::thread::sleep(Duration::from_millis(1));
+        }
+        // Where the counter counts, its answers stray from the wall clock's by at most half a
+        // reading's time around its anchor and a little drift; a count scaled wrongly, or not
+        // added, is off by up to a millisecond.
+        let slack = if counted { super::ANCHOR_READ } else { Duration::ZERO };
+        let epoch = Instant::now();
+        let mut clock = super::QuickClock::new(epoch);
+        let (mut last, mut anchors) = (None, std::collections::BTreeSet::new());
+        for i in 0..20_000 {
+            if i % 2_000 == 1_999 {
+                // Past the anchor's time: the next answer reads the wall clock again.
+                std::thread::sleep(super::ANCHOR_FOR + Duration::from_micros(200));
+            }
+            let before = epoch.elapsed();
+            let now = clock.now().0;
+            let after = epoch.elapsed();
+            assert!(
+                now + slack >= before && now <= after + slack,
+                "answer {i}: {now:?} not between {before:?} and {after:?}"
+            );
+            assert!(last.is_none_or(|last| now >= last), "answer {i} went back");
+            last = Some(now);
+            anchors.extend(clock.anchor.map(|(at, _)| at));
+        }
+        if counted {
+            assert!(anchors.len() >= 10, "read the wall clock again after each pause: {} anchors", anchors.len());
+        } else {
+            assert!(anchors.is_empty(), "without a calibrated counter every answer is the wall clock's");
         }
     }
 

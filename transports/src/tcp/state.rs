@@ -16,8 +16,8 @@ use std::time::{Duration, Instant};
 use bytes::Bytes;
 use cohort_core::dataplane::{self, AfterWrite, DataFrame, DataPlane, PeerClosed, Route};
 use cohort_core::group::{
-    Checked, Collective, Completion, ControlMsg, Event, GroupState, Inline, InlineWork, Launch, SubmitError,
-    WorkSummary,
+    Checked, Collective, Completion, ControlMsg, Event, GroupState, Inline, InlineWork, Launch, SinceEpoch,
+    SubmitError, WorkSummary,
 };
 use cohort_core::p2p::Matcher;
 use cohort_core::protocol::{Fingerprint, FrameHeader, FrameKind, HEADER_LEN, decode_control, encode_control};
@@ -148,6 +148,8 @@ pub(crate) struct DriverState {
     quick_replay: Vec<u8>,
     /// The exchanges of the allreduce running in its submit call now, if one is.
     quick_chain: Chain,
+    /// The clock of the works that run to their end in their submit call.
+    pub(crate) quick_clock: super::quick::QuickClock,
     /// The description of the last collective the submit-call path ended, for the next allreduce
     /// of the same dtype and shape ([`DriverState::quick_collective`]): a loop of one small
     /// allreduce describes the same collective at every work, and describing it takes two
@@ -197,6 +199,7 @@ impl DriverState {
         on_written: OnWritten,
         pool: super::link::BufferPool,
     ) -> Self {
+        let quick_clock = super::quick::QuickClock::new(group.epoch());
         DriverState {
             me: group.rank(),
             gid: group.config().group_id,
@@ -207,6 +210,7 @@ impl DriverState {
             last_exchange: None,
             quick_replay: Vec::new(),
             quick_chain: Chain::default(),
+            quick_clock,
             quick_collective: None,
             p2p: Matcher::new(),
             waiting_scratch: Vec::new(),
@@ -404,7 +408,7 @@ impl DriverState {
     /// work takes only if it is handed off.
     pub(crate) fn quick_start(
         &mut self,
-        now: Instant,
+        now: SinceEpoch,
         tensors: Vec<Tensor>,
         op: ReduceOp,
         plan: QuickPlan,
@@ -518,7 +522,7 @@ impl DriverState {
     /// the reduction and end the work as the usual path ends it (frames for it are stale from
     /// now on). Its finished `Work` is made here; its completion hook is called once the lock
     /// is released ([`QuickEnd::Ended`]).
-    pub(crate) fn quick_finish(&mut self, now: Instant, mut exchange: Exchange, effects: &mut Effects) -> QuickEnd {
+    pub(crate) fn quick_finish(&mut self, at: SinceEpoch, mut exchange: Exchange, effects: &mut Effects) -> QuickEnd {
         let heard = self.quick_chain.len();
         let world = self.group.config().world_size as usize;
         let end = match exchange.reduction.finalize(exchange.tensors[0].bytes_mut(), world) {
@@ -527,7 +531,7 @@ impl DriverState {
                 // The inline work ends before the group hears of anything else: nothing may
                 // find it missing from the table. The chain's peers were heard from.
                 let chain = self.quick_chain;
-                let summary = self.group.finish_inline(now, inline, (0..heard).map(|i| chain.at(i).0));
+                let summary = self.group.finish_inline(at, inline, (0..heard).map(|i| chain.at(i).0));
                 // The plane never tracked it: only the frames it makes stale are its business.
                 let mut stale = Vec::new();
                 self.plane.collective_ended(summary.seq, &mut stale);
@@ -543,13 +547,17 @@ impl DriverState {
                 QuickEnd::Ended(work, hook)
             }
             Err(e) => {
+                let now = self.group.epoch() + at.0;
                 let (id, _, work) = self.adopt(exchange, effects);
                 self.heard_from_chain(now, heard);
                 self.group.handle_completion(now, id, Completion::Failed { rank: None, message: e.to_string() });
                 QuickEnd::Work(work)
             }
         };
-        self.drain(now, effects);
+        // As `drain`, with the time made an `Instant` only where there is something to drain.
+        if self.group.has_output() {
+            self.drain_outputs(self.group.epoch() + at.0, effects);
+        }
         end
     }
 
