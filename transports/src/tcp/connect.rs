@@ -82,8 +82,10 @@ impl ProcessGroup {
                 expected: "a power of two from 4096 to 1073741824".into(),
             });
         }
-        // The quick path's clock calibrates while the group connects.
-        let ticks = (world_size > 1 && opts.shm_quick && may_share_memory::<N>(&opts))
+        // The quick path's clock calibrates while the group connects; not on a host with more
+        // ranks than cores, where the calibrations of its ranks spin at once for a core each
+        // and ran for up to their limit (200 ms), and where each look of a wait yields anyway.
+        let ticks = (world_size > 1 && opts.shm_quick && !opts.oversubscribed && may_share_memory::<N>(&opts))
             .then(super::quick::calibrating)
             .flatten();
         let me = Rank(rank);
