@@ -295,7 +295,8 @@ const ANCHOR_READ: Duration = Duration::from_micros(5);
 
 /// Calibrate [`TICKS`] once per process (quanta spins for about half a millisecond where the
 /// host is quiet, up to 200 ms on a crowded one), if the kernel keeps time with the counter.
-/// Blocks; a group being made runs it beside its connecting ([`calibrating`]).
+/// Blocks; a group being made runs it beside its connecting ([`calibrating`]), except on a host
+/// with more ranks than cores, whose works read the wall clock.
 pub(super) fn calibrate_ticks() {
     if kernel_keeps_time_with_the_counter() {
         TICKS.get_or_init(quanta::Clock::new);
