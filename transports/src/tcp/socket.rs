@@ -497,7 +497,9 @@ impl FastReader {
         };
         // Awake: what the peer writes now is read without a doorbell. The request is withdrawn
         // before `armed` is cleared, so that an `arm` in between leaves it standing.
-        if let Some(ring) = &self.reading().ring {
+        if self.shm.is_some()
+            && let Some(ring) = &self.reading().ring
+        {
             ring.cancel_data_request();
         }
         self.armed.store(false, Ordering::Release);
