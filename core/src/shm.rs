@@ -47,6 +47,18 @@
 //! while only small writes go, and a reader spinning on it reads its own cache. A slot's
 //! stale stamp is always an older count's (slots are written in turn), never the one awaited.
 //!
+//! # Warming the next slot
+//!
+//! A slot the reader has read is in its cache as well as the writer's, so the writer's next
+//! store to it waits for the reader's copy to be given up, and a sender that then fences (the
+//! doorbell's check, below) waits that long before it goes on. [`Warmer::warm`] asks the
+//! writer's cache for the line of its next entry, for writing, ahead of the write. When to ask
+//! is the caller's choice and matters: the reader's hardware prefetcher takes the line after a
+//! slot it reads, so a request made right after a write is undone by the read that follows it.
+//! The transport asks when it has taken the peer's part of an exchange, which the peer sent
+//! before it looked for this side's: it has read that by then, or is reading it
+//! (`docs/performance.md`).
+//!
 //! # Doorbells
 //!
 //! A side that goes to sleep sets its flag, then looks at the ring once more (with a full
@@ -300,6 +312,7 @@ impl Segment {
         Producer {
             seg: self.clone(),
             dir,
+            box_next_shared: Arc::new(AtomicU64::new(box_next)),
             tail,
             head_seen: tail.saturating_sub(self.capacity),
             box_next,
@@ -423,6 +436,8 @@ fn stamp_of(count: u64) -> u32 {
 pub struct Producer {
     seg: Segment,
     dir: Direction,
+    /// `box_next`, for the ring's [`Warmer`]s, which read it without the producer.
+    box_next_shared: Arc<AtomicU64>,
     tail: u64,
     /// The consumer's position when last read (checked then). It only grows, so the room it
     /// gives is never more than there is: a write that fits in it does not read the
@@ -564,6 +579,17 @@ impl Producer {
         seg.slot_pos(dir, count).store(self.tail, Ordering::Relaxed);
         seg.stamp(dir, count).store(stamp_of(count), Ordering::Release);
         self.box_next = count + 1;
+        self.box_next_shared.store(count + 1, Ordering::Relaxed);
+    }
+
+    /// A handle that warms this producer's next box slot ([`Warmer::warm`]) from any thread.
+    pub fn warmer(&self) -> Warmer {
+        Warmer {
+            seg: self.seg.clone(),
+            dir: self.dir,
+            box_next: self.box_next_shared.clone(),
+            for_write: prefetch_for_write_supported(),
+        }
     }
 
     /// After a write: whether the consumer asked for a doorbell (the request is taken, so
@@ -587,6 +613,64 @@ impl Producer {
     pub fn position(&self) -> u64 {
         self.tail
     }
+}
+
+/// Asks the cache for the line of a [`Producer`]'s next box entry, for writing (see "Warming
+/// the next slot" in the [module docs](self)). It reads the producer's count of entries as the
+/// producer last wrote it, and only names an address inside the box: whatever the peer does
+/// to the segment, a warm changes no byte and cannot fault.
+#[derive(Debug, Clone)]
+pub struct Warmer {
+    seg: Segment,
+    dir: Direction,
+    box_next: Arc<AtomicU64>,
+    /// Whether this processor has the prefetch-for-write instruction.
+    for_write: bool,
+}
+
+impl Warmer {
+    /// Ask for the next entry's slot line, in the exclusive state a store needs. Does nothing
+    /// on a processor without the instruction (or not x86-64).
+    #[inline]
+    pub fn warm(&self) {
+        if self.for_write {
+            prefetch_for_write(self.next_slot());
+        }
+    }
+
+    /// Where the producer's next box entry goes.
+    fn next_slot(&self) -> *const u8 {
+        self.seg.slot(self.dir, self.box_next.load(Ordering::Relaxed))
+    }
+}
+
+/// Whether this processor has `prefetchw` (CPUID 8000_0001h, ECX bit 8). The standard library
+/// can neither detect nor enable it on stable Rust (`prfchw` is an unstable target feature,
+/// and `_mm_prefetch` with a write hint emits a read prefetch without it).
+fn prefetch_for_write_supported() -> bool {
+    #[cfg(target_arch = "x86_64")]
+    {
+        use std::arch::x86_64::__cpuid;
+        static SUPPORTED: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+        *SUPPORTED.get_or_init(|| {
+            // Leaf 8000_0000h says which extended leaves there are.
+            __cpuid(0x8000_0000).eax >= 0x8000_0001 && __cpuid(0x8000_0001).ecx & (1 << 8) != 0
+        })
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    false
+}
+
+#[inline]
+fn prefetch_for_write(line: *const u8) {
+    #[cfg(target_arch = "x86_64")]
+    // SAFETY: a prefetch reads and writes nothing and never faults; the caller checked that
+    // the processor has the instruction.
+    unsafe {
+        std::arch::asm!("prefetchw [{0}]", in(reg) line, options(nostack, preserves_flags, readonly));
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    let _ = line;
 }
 
 /// The reading end of one ring. Its position is its own; it reads the producer's, and refuses
@@ -979,6 +1063,32 @@ mod tests {
         let mut want = vec![1u8; 4096];
         want.extend(2..BOX_SLOTS as u8 + 2);
         assert_eq!(all, want, "the ring's bytes, then the box's, as written");
+    }
+
+    #[test]
+    fn a_warmer_names_the_slot_the_producers_next_box_entry_goes_into() {
+        let (mut p, mut c, seg) = pair(4096);
+        let warmer = p.warmer();
+        let mut out = [0u8; 64];
+        // Box entries and ring writes (which leave the box's count) mixed, past the box's wrap;
+        // the reader keeps up, so that every small write goes into the box.
+        for i in 0..3 * BOX_SLOTS as u8 {
+            let at = warmer.next_slot();
+            warmer.warm();
+            let entry = [i, i.wrapping_mul(7), 0xA5];
+            assert!(p.write_whole(&entry).unwrap());
+            // SAFETY: the slot's bytes, inside the heap segment; the reader reads them only
+            // after the stamp below says they are written.
+            let slot_bytes = unsafe { std::slice::from_raw_parts(at.add(SLOT_BYTES), entry.len()) };
+            assert_eq!(slot_bytes, entry, "entry {i} went where the warmer said");
+            if i % 5 == 0 {
+                assert!(p.write_whole(&[i; 200]).unwrap(), "a ring write");
+            }
+            while c.read(&mut out).unwrap() > 0 {}
+        }
+        // A producer made anew on the same ring (as after a reconnect) starts where the box is.
+        let again = seg.producer(Direction::FromCreator);
+        assert_eq!(again.warmer().next_slot(), warmer.next_slot());
     }
 
     #[test]

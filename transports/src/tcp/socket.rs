@@ -44,7 +44,7 @@ use tokio::net::TcpStream;
 use cohort_core::protocol::{FrameHeader, FrameKind, HEADER_LEN};
 #[cfg(doc)]
 use cohort_core::shm::Segment;
-use cohort_core::shm::{Consumer, Producer};
+use cohort_core::shm::{Consumer, Producer, Warmer};
 
 use super::link::{Assembler, CloseTally, Inbound, Wire};
 use super::shm::ShmLink;
@@ -656,6 +656,13 @@ impl Held<'_> {
             };
             match found {
                 Ok(Some(Waited::Took)) => {
+                    // Both sides of an exchange send before they look: the peer, whose frame
+                    // is here, has read this rank's frame by now or is reading it. The slot
+                    // this rank's next frame to the peer goes into is asked for now, so that
+                    // the next send does not wait for the peer's cache to give it up (earlier,
+                    // the peer's read takes it back: "Warming the next slot" in
+                    // `cohort_core::shm`).
+                    path.wire.warmer.warm();
                     if ring.take_space_request() {
                         path.wire.doorbell();
                     }
@@ -715,7 +722,8 @@ pub(crate) enum ShmStep {
 
 impl ShmPath {
     pub(crate) fn new(link: &ShmLink, socket: Arc<StdStream>) -> Arc<ShmPath> {
-        let wire = Arc::new(ShmWire { out: Mutex::new(link.segment.producer(link.outgoing())), socket });
+        let producer = link.segment.producer(link.outgoing());
+        let wire = Arc::new(ShmWire { warmer: producer.warmer(), out: Mutex::new(producer), socket });
         Arc::new(ShmPath { link: link.clone(), wire, space: Mutex::new(None), eof: AtomicBool::new(false) })
     }
 
@@ -811,6 +819,8 @@ impl ShmPath {
 #[derive(Debug)]
 pub(crate) struct ShmWire {
     out: Mutex<Producer>,
+    /// Warms the outgoing ring's next box slot ([`Held::wait_for`]).
+    warmer: Warmer,
     /// The pair's socket, for doorbells.
     socket: Arc<StdStream>,
 }
