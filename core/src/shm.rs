@@ -57,7 +57,9 @@
 //! slot it reads, so a request made right after a write is undone by the read that follows it.
 //! The transport asks when it has taken the peer's part of an exchange, which the peer sent
 //! before it looked for this side's: it has read that by then, or is reading it
-//! (`docs/performance.md`).
+//! (`docs/performance.md`). The reader, for its part, asks for its next slot's line
+//! ([`Consumer::prefetch_next`]) just before it starts to look for an entry it expects written
+//! by then: the line is on its way while the wait sets up.
 //!
 //! # Doorbells
 //!
@@ -764,6 +766,22 @@ impl Consumer {
         self.box_off = 0;
         self.box_next += 1;
         self.seg.word(self.dir, BOX_HEAD).store(self.box_next, Ordering::Release);
+    }
+
+    /// Ask this core's cache for the next box entry's slot line, a little ahead of a look at
+    /// it ([`Consumer::looks_empty`]) by a reader that expects the entry written by then (see
+    /// "Warming the next slot" in the [module docs](self)). Reads and changes nothing.
+    #[inline]
+    pub fn prefetch_next(&self) {
+        #[cfg(target_arch = "x86_64")]
+        {
+            use std::arch::x86_64::{_MM_HINT_T0, _mm_prefetch};
+            // SAFETY: a prefetch reads nothing and never faults (the address is inside the
+            // box anyway).
+            unsafe {
+                _mm_prefetch::<_MM_HINT_T0>(self.seg.slot(self.dir, self.box_next) as *const i8)
+            };
+        }
     }
 
     /// Whether nothing can be waiting: no box entry partly read, the next box slot not written

@@ -627,6 +627,9 @@ impl Held<'_> {
     ) -> Waited {
         let Held { read, path } = self;
         let Reading { asm, ring: Some(ring) } = &mut **read else { return Waited::Other };
+        // The peer sends its part when this rank sends its own, give or take: most waits find
+        // it at the first look, whose line is asked for now.
+        ring.prefetch_next();
         let mut looks = 0u32;
         // The wall clock, not the runtime's (a paused runtime clock may stand anywhere), read
         // first after a few looks: a peer in step has sent by then, and then it is not read.
