@@ -778,9 +778,7 @@ impl Consumer {
             use std::arch::x86_64::{_MM_HINT_T0, _mm_prefetch};
             // SAFETY: a prefetch reads nothing and never faults (the address is inside the
             // box anyway).
-            unsafe {
-                _mm_prefetch::<_MM_HINT_T0>(self.seg.slot(self.dir, self.box_next) as *const i8)
-            };
+            unsafe { _mm_prefetch::<_MM_HINT_T0>(self.seg.slot(self.dir, self.box_next) as *const i8) };
         }
     }
 
