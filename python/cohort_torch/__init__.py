@@ -190,6 +190,9 @@ class _Work(_C10dWork):
         self._lock = threading.Lock()
         self._left = len(self._pendings)
         self._finished = False
+        # Set once the future is complete; the thread that completes it, while it does.
+        self._completed = threading.Event()
+        self._finisher: int | None = None
         if not self._pendings:
             self._finish()
         for p in self._pendings:
@@ -203,21 +206,37 @@ class _Work(_C10dWork):
             self._finish()
 
     def _finish(self) -> None:
-        """Write back, log a failure, complete the future: once, whoever comes first."""
+        """Write back, log a failure, complete the future: once, whoever comes first. A caller
+        that comes second (``wait()`` while cohort's completion runs the first, on its own
+        thread) returns only once the future is complete, so that ``wait()`` leaves it done;
+        one that comes back in from the first's own work (a callback of the future) does not
+        wait for itself."""
         with self._lock:
-            if self._finished:
+            first = not self._finished
+            if first:
+                self._finished = True
+                self._finisher = threading.get_ident()
+                tensors, self._tensors = self._tensors, None
+            elif self._finisher == threading.get_ident():
                 return
-            self._finished = True
-            tensors, self._tensors = self._tensors, None
-        error = self._error()
-        if error is None and tensors is not None:
-            for original, copy in tensors.writeback:
-                original.copy_(copy)
-            if self._after is not None:
-                self._after()
-        if error is not None:
-            _log.error("%s", error)
-        self._fut.set_result(self._value)
+        if not first:
+            self._completed.wait()
+            return
+        try:
+            error = self._error()
+            if error is None and tensors is not None:
+                for original, copy in tensors.writeback:
+                    original.copy_(copy)
+                if self._after is not None:
+                    self._after()
+            if error is not None:
+                _log.error("%s", error)
+            self._fut.set_result(self._value)
+        finally:
+            # Whatever happened above, nobody waits for this call in vain.
+            with self._lock:
+                self._finisher = None
+            self._completed.set()
 
     def _error(self) -> str | None:
         for p in self._pendings:
