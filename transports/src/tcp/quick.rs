@@ -65,7 +65,8 @@
 //!
 //! A late peer makes the next collectives skip this path, for longer with each hand-off in a
 //! row ([`Gate`]): one that is often busy, or that shares this rank's core on a crowded host
-//! (where spinning only delays it), gains nothing from the wait. `COHORT_SHM_QUICK=0` turns
+//! (where spinning only delays it), gains nothing from the wait. The first late peer of a
+//! fresh group, before the ranks have met on the path, does not: that is the launch's skew. `COHORT_SHM_QUICK=0` turns
 //! the path off.
 
 use std::mem::ManuallyDrop;
@@ -265,6 +266,13 @@ impl Gate {
     /// on a crowded host a peer is late now and then only because it did not have a core (the
     /// usual path would have waited for it too). Closing the path there made the 4 B
     /// allreduce of 4 ranks on 2 cores slower (`docs/performance.md`).
+    ///
+    /// Nor does the first late peer of a group whose path has not ended a work yet: the ranks
+    /// have not met on it, and the first collective of a fresh group waits for the launch's
+    /// skew (the ranks reach it up to milliseconds apart), which says nothing about the next
+    /// one. Closing it there sent a fresh group's next 16 collectives the usual way, several
+    /// times slower, which made them most of the slowest of its first 500. A second late one
+    /// in a row closes it as any does.
     fn handed_off(&self, late: bool, at: usize) {
         if at > 0 {
             self.handed_off_later.fetch_add(1, Ordering::Relaxed);
@@ -272,7 +280,11 @@ impl Gate {
         if late && !self.yields {
             let before = self.late.load(Ordering::Relaxed);
             self.late.store(before.saturating_add(1), Ordering::Relaxed);
-            self.skip.store(SKIP_AFTER_HAND_OFF << before.min(MAX_SKIP_SHIFT), Ordering::Relaxed);
+            let met = self.ended.load(Ordering::Relaxed) > 0;
+            if met || before > 0 {
+                let shift = if met { before } else { before - 1 };
+                self.skip.store(SKIP_AFTER_HAND_OFF << shift.min(MAX_SKIP_SHIFT), Ordering::Relaxed);
+            }
         }
         self.handed_off.fetch_add(1, Ordering::Relaxed);
     }
@@ -738,6 +750,8 @@ mod tests {
         assert_eq!(gate.last_ended(), None);
         gate.handed_off(false, 0);
         assert_eq!(skipped(&gate), 0, "a heartbeat in the way closes nothing");
+        gate.handed_off(true, 0);
+        assert_eq!(skipped(&gate), 0, "before the ranks first met on the path, one late peer closes nothing");
         for want in [16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 4096] {
             gate.handed_off(true, 0);
             assert_eq!(skipped(&gate), want);
@@ -746,9 +760,9 @@ mod tests {
         gate.took(at);
         assert_eq!(gate.last_ended(), Some(epoch + at), "what the reader tasks' grace counts from");
         gate.handed_off(true, 0);
-        assert_eq!(skipped(&gate), 16, "a work that ended in its call starts the count again");
+        assert_eq!(skipped(&gate), 16, "a work that ended in its call starts the count again, and closes it at once");
         assert_eq!(gate.ended.load(Ordering::Relaxed), 1);
-        assert_eq!(gate.handed_off.load(Ordering::Relaxed), 12);
+        assert_eq!(gate.handed_off.load(Ordering::Relaxed), 13);
         assert_eq!(gate.handed_off_later.load(Ordering::Relaxed), 0);
         gate.handed_off(false, 1);
         assert_eq!(gate.handed_off_later.load(Ordering::Relaxed), 1, "one after its chain's first exchange");
