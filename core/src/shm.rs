@@ -1093,8 +1093,8 @@ mod tests {
             warmer.warm();
             let entry = [i, i.wrapping_mul(7), 0xA5];
             assert!(p.write_whole(&entry).unwrap());
-            // SAFETY: the slot's bytes, inside the heap segment; the reader reads them only
-            // after the stamp below says they are written.
+            // SAFETY: `at` is a slot inside the heap segment, which outlives this read, and
+            // nothing writes it meanwhile (the next write into it is `BOX_SLOTS` entries on).
             let slot_bytes = unsafe { std::slice::from_raw_parts(at.add(SLOT_BYTES), entry.len()) };
             assert_eq!(slot_bytes, entry, "entry {i} went where the warmer said");
             if i % 5 == 0 {

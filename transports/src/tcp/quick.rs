@@ -66,8 +66,8 @@
 //! A late peer makes the next collectives skip this path, for longer with each hand-off in a
 //! row ([`Gate`]): one that is often busy, or that shares this rank's core on a crowded host
 //! (where spinning only delays it), gains nothing from the wait. The first late peer of a
-//! fresh group, before the ranks have met on the path, does not: that is the launch's skew. `COHORT_SHM_QUICK=0` turns
-//! the path off.
+//! fresh group, before the ranks have met on the path, does not: that is the launch's skew.
+//! `COHORT_SHM_QUICK=0` turns the path off.
 
 use std::mem::ManuallyDrop;
 use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, AtomicUsize, Ordering};
