@@ -37,8 +37,9 @@ from blocking calls; the message is cohort's: this rank, the op, its seq and the
 
 The future of a work (``work.get_future()``) is **never failed**: under DDP a failed future
 crashes torch's reducer (SIGSEGV). It completes with the work's tensors even when the work
-failed (their contents are then unspecified), and it is complete once ``work.wait()`` returns. Instead, as torchft does, the failure aborts the
-group, is logged on the ``cohort_torch`` logger, and every later call on the group raises it.
+failed (their contents are then unspecified), and it is complete once ``work.wait()``
+returns. Instead, as torchft does, the failure aborts the group, is logged on the
+``cohort_torch`` logger, and every later call on the group raises it.
 So a DDP job whose peer died fails at its next step with the culprit's rank, not with a crash.
 
 Timeouts come from ``init_process_group(timeout=...)``; other options from the ``COHORT_*``
