@@ -76,6 +76,7 @@ pub mod census;
 pub mod dataplane;
 pub mod group;
 pub mod p2p;
+pub(crate) mod prefetch;
 pub mod protocol;
 pub mod recorder;
 pub mod reduce;

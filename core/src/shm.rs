@@ -590,7 +590,7 @@ impl Producer {
             seg: self.seg.clone(),
             dir: self.dir,
             box_next: self.box_next_shared.clone(),
-            for_write: prefetch_for_write_supported(),
+            for_write: crate::prefetch::for_write_supported(),
         }
     }
 
@@ -636,7 +636,7 @@ impl Warmer {
     #[inline]
     pub fn warm(&self) {
         if self.for_write {
-            prefetch_for_write(self.next_slot());
+            crate::prefetch::for_write(self.next_slot());
         }
     }
 
@@ -644,35 +644,6 @@ impl Warmer {
     fn next_slot(&self) -> *const u8 {
         self.seg.slot(self.dir, self.box_next.load(Ordering::Relaxed))
     }
-}
-
-/// Whether this processor has `prefetchw` (CPUID 8000_0001h, ECX bit 8). The standard library
-/// can neither detect nor enable it on stable Rust (`prfchw` is an unstable target feature,
-/// and `_mm_prefetch` with a write hint emits a read prefetch without it).
-fn prefetch_for_write_supported() -> bool {
-    #[cfg(target_arch = "x86_64")]
-    {
-        use std::arch::x86_64::__cpuid;
-        static SUPPORTED: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-        *SUPPORTED.get_or_init(|| {
-            // Leaf 8000_0000h says which extended leaves there are.
-            __cpuid(0x8000_0000).eax >= 0x8000_0001 && __cpuid(0x8000_0001).ecx & (1 << 8) != 0
-        })
-    }
-    #[cfg(not(target_arch = "x86_64"))]
-    false
-}
-
-#[inline]
-fn prefetch_for_write(line: *const u8) {
-    #[cfg(target_arch = "x86_64")]
-    // SAFETY: a prefetch reads and writes nothing and never faults; the caller checked that
-    // the processor has the instruction.
-    unsafe {
-        std::arch::asm!("prefetchw [{0}]", in(reg) line, options(nostack, preserves_flags, readonly));
-    }
-    #[cfg(not(target_arch = "x86_64"))]
-    let _ = line;
 }
 
 /// The reading end of one ring. Its position is its own; it reads the producer's, and refuses
@@ -773,13 +744,7 @@ impl Consumer {
     /// "Warming the next slot" in the [module docs](self)). Reads and changes nothing.
     #[inline]
     pub fn prefetch_next(&self) {
-        #[cfg(target_arch = "x86_64")]
-        {
-            use std::arch::x86_64::{_MM_HINT_T0, _mm_prefetch};
-            // SAFETY: a prefetch reads nothing and never faults (the address is inside the
-            // box anyway).
-            unsafe { _mm_prefetch::<_MM_HINT_T0>(self.seg.slot(self.dir, self.box_next) as *const i8) };
-        }
+        crate::prefetch::for_read(self.seg.slot(self.dir, self.box_next));
     }
 
     /// Whether nothing can be waiting: no box entry partly read, the next box slot not written

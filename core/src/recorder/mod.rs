@@ -830,23 +830,11 @@ impl Slot {
     /// Ask the cache for the slot's own lines, by its address alone: nothing is read. A hint:
     /// it waits for nothing, and does nothing on targets without one.
     fn prefetch_lines(&self) {
-        let slot = (self as *const Slot).cast::<i8>();
+        let slot = (self as *const Slot).cast::<u8>();
         for at in (0..size_of::<Slot>()).step_by(64) {
-            prefetch(slot.wrapping_add(at));
+            crate::prefetch::for_read(slot.wrapping_add(at));
         }
     }
-}
-
-/// Ask for the cache line at `line`.
-#[inline]
-fn prefetch(line: *const i8) {
-    #[cfg(target_arch = "x86_64")]
-    // SAFETY: a prefetch reads nothing the program sees and cannot fault, whatever the address.
-    unsafe {
-        std::arch::x86_64::_mm_prefetch::<{ std::arch::x86_64::_MM_HINT_T0 }>(line)
-    };
-    #[cfg(not(target_arch = "x86_64"))]
-    let _ = line;
 }
 
 /// A sequence number as `pg_status` holds it (`int64_t`).
