@@ -5,8 +5,10 @@
 //! [`Work::wait_timeout`]) or asynchronously (`work.await`). [`Work::from_future`] wraps any
 //! future as a work, as c10d's `FutureWrappingWork`.
 
+use std::cell::Cell;
 use std::fmt;
 use std::future::Future;
+use std::mem::ManuallyDrop;
 use std::pin::Pin;
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::task::{Context, Poll, Waker};
@@ -825,10 +827,66 @@ pub struct Work(Repr);
 enum Repr {
     /// A work the runtime finishes through its [`WorkCompleter`].
     Live(Live),
-    /// A work that succeeded inside its submit call. Its `Arc` keeps no weak count: the last
-    /// handle's drop is one locked instruction, not two (std's `Arc` also counts its weak
-    /// references down).
-    Done(triomphe::Arc<Done>),
+    /// A work that succeeded inside its submit call.
+    Done(DoneHandle),
+}
+
+/// A handle on a [`Done`]. The last one's drop keeps the allocation for the next work its
+/// thread ends in its submit call ([`SPARE`]), emptied of what the work held.
+///
+/// Why: a loop of small collectives ends one work per call; allocating each and freeing it
+/// was a twentieth of a 4 B allreduce's instructions over shared memory, and the last
+/// handle's drop a locked instruction (counting down). Whether a handle is the last is one
+/// plain load here (`triomphe::Arc::get_mut`), since nobody can clone a work nobody else
+/// holds; the `Arc` keeps no weak count, which std's would also look at.
+struct DoneHandle(ManuallyDrop<triomphe::Arc<Done>>);
+
+thread_local! {
+    /// The storage of a finished work whose last handle this thread dropped.
+    static SPARE: Cell<Option<triomphe::Arc<Done>>> = const { Cell::new(None) };
+}
+
+impl DoneHandle {
+    /// A finished work's handle, in the storage this thread kept if it kept one.
+    fn new(done: Done) -> DoneHandle {
+        let mut spare = SPARE.try_with(Cell::take).ok().flatten();
+        if let Some(kept) = spare.as_mut().and_then(triomphe::Arc::get_mut) {
+            // Emptied when kept: what this drops holds nothing.
+            *kept = done;
+            return DoneHandle(ManuallyDrop::new(spare.expect("kept")));
+        }
+        DoneHandle(ManuallyDrop::new(triomphe::Arc::new(done)))
+    }
+}
+
+impl std::ops::Deref for DoneHandle {
+    type Target = Done;
+
+    fn deref(&self) -> &Done {
+        &self.0
+    }
+}
+
+impl Clone for DoneHandle {
+    fn clone(&self) -> DoneHandle {
+        DoneHandle(ManuallyDrop::new(triomphe::Arc::clone(&self.0)))
+    }
+}
+
+impl Drop for DoneHandle {
+    fn drop(&mut self) {
+        // SAFETY: the one place the `Arc` is taken out, and `self` is not used after it.
+        let mut done = unsafe { ManuallyDrop::take(&mut self.0) };
+        if let Some(last) = triomphe::Arc::get_mut(&mut done) {
+            // What the work held goes now, as it would with the work: its outputs nobody
+            // took, its abort function, its span (whose close a subscriber sees).
+            drop(last.outputs.take_mut());
+            drop(last.abort.get_mut().unwrap_or_else(|p| p.into_inner()).take());
+            drop(std::mem::replace(&mut last.span, tracing::Span::none()));
+            // A thread being torn down keeps nothing: the allocation is freed.
+            let _ = SPARE.try_with(|spare| spare.set(Some(done)));
+        }
+    }
 }
 
 /// A work with a completer: its state behind a lock, for waiters to sleep on or poll.
@@ -907,7 +965,7 @@ impl Work {
             abort: Mutex::new(None),
             span,
         };
-        (Work(Repr::Done(triomphe::Arc::new(done))), call)
+        (Work(Repr::Done(DoneHandle::new(done))), call)
     }
 
     /// Wrap a future as a work (c10d's `FutureWrappingWork`): it succeeds with the future's
@@ -2152,6 +2210,58 @@ mod tests {
                 assert_eq!(aborted.lock().unwrap().as_deref(), Some("all_reduce (seq 4) aborted by the user"));
             }
         }
+    }
+
+    #[test]
+    fn a_finished_works_storage_serves_the_next_only_once_no_handle_holds_it_and_holds_nothing_then() {
+        let finished = |seq: u64, value: f32| {
+            let summary = WorkSummary {
+                id: WorkId(seq),
+                seq: SeqNo(seq),
+                is_p2p: false,
+                op: OpType::Allreduce,
+                result: WorkResult::Success,
+                lifecycle: finished_lifecycle(WorkState::Completed),
+            };
+            Work::finished(&summary, vec![Tensor::from_slice(&[value])], None, GroupId(0), Rank(0)).0
+        };
+        let storage = |work: &Work| match &work.0 {
+            Repr::Done(done) => &**done as *const Done,
+            Repr::Live(_) => panic!("a successful finished work is a `Done`"),
+        };
+        // The abort function owns `token`: its count says whether the function is still held.
+        let token = Arc::new(());
+        let first = finished(1, 1.0);
+        let held = Arc::clone(&token);
+        first.set_abort(Box::new(move |_| drop(Arc::clone(&held))));
+        let clone = first.clone();
+        let at = storage(&first);
+        drop(first);
+        // The clone still holds the first work: the second gets storage of its own.
+        let second = finished(2, 2.0);
+        assert_ne!(storage(&second), at);
+        assert_eq!((clone.seq(), clone.result().unwrap()), (SeqNo(1), vec![Tensor::from_slice(&[1.0f32])]));
+        assert_eq!((second.seq(), second.result().unwrap()), (SeqNo(2), vec![Tensor::from_slice(&[2.0f32])]));
+        assert_eq!(Arc::strong_count(&token), 2, "the clone's abort function is its own until it goes");
+        drop(second);
+        drop(clone);
+        assert_eq!(Arc::strong_count(&token), 1, "the last handle's drop dropped the abort function");
+        let kept = SPARE.with(|spare| {
+            let kept = spare.take();
+            let at = kept.as_ref().map(|done| &**done as *const Done);
+            spare.set(kept);
+            at
+        });
+        assert_eq!(kept, Some(at), "the last handle's drop kept the storage");
+        // The next work this thread ends goes into the storage the last drop kept, emptied of
+        // the old work: its own answers, and no abort function.
+        let third = finished(3, 3.0);
+        assert_eq!(storage(&third), at);
+        assert_eq!((third.id(), third.seq()), (WorkId(3), SeqNo(3)));
+        third.abort();
+        assert_eq!(Arc::strong_count(&token), 1);
+        assert_eq!(third.result().unwrap(), vec![Tensor::from_slice(&[3.0f32])]);
+        assert_eq!(third.result().unwrap(), Vec::<Tensor>::new(), "the outputs are taken once");
     }
 
     #[tokio::test]
