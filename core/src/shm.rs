@@ -23,8 +23,8 @@
 //! A control block has four cache lines, so that the two sides never write the same line:
 //! `tail` (ring bytes ever written, the producer's), `head` (ring bytes ever read) and
 //! `box_head` (box entries ever read), both the consumer's, `want_data` (the consumer sleeps
-//! and wants a doorbell) with `poller_core` on its line (see below), and `want_space` (the
-//! producer waits for room and wants a doorbell). Positions only grow; a byte at position `p`
+//! and wants a doorbell) with `sleep_barrier` and `poller_core` on its line (see below), and
+//! `want_space` (the producer waits for room and wants a doorbell). Positions only grow; a byte at position `p`
 //! lives at `p mod capacity`.
 //!
 //! `poller_core` is the core the consumer's waiting thread last ran on, plus one (0: unknown,
@@ -68,10 +68,22 @@
 //! either it sees the new bytes or the other side sees the flag and rings: a wake-up is never
 //! lost. The transport rings over the pair's TCP connection, which it keeps open for that and
 //! as the liveness channel (a dead peer's socket reads EOF).
+//!
+//! The writer's fence is on every write's path, and it waits there for the write to reach
+//! its line, whose last copy is in the reader's cache: on a small exchange's path, a wait of
+//! a line's trip between cores at every send (`docs/performance.md`, "The send's fences").
+//! So the fence may move to the sleeper, which is slow anyway: a reader that announces a
+//! barrier ([`Consumer::set_sleep_barrier`], the `sleep_barrier` word beside `want_data`)
+//! runs one between its flag and its look that makes every running thread of the writer's
+//! process execute a full fence (Linux's `membarrier(MEMBARRIER_CMD_GLOBAL_EXPEDITED)`; a
+//! thread not running has fenced when it was switched out). The writer's look at the flag,
+//! then, is either before that fence point, and its write was visible by then (the reader's
+//! look sees it), or after it, and it sees the flag. A writer whose process does not take
+//! part ([`Producer::set_in_barriers`]) keeps its fence.
 
 use std::ptr::NonNull;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicU32, AtomicU64, Ordering, fence};
+use std::sync::atomic::{AtomicU32, AtomicU64, Ordering, compiler_fence, fence};
 
 use crate::work::{GroupId, Rank};
 
@@ -96,6 +108,7 @@ const TAIL: usize = 0;
 const HEAD: usize = 64;
 const BOX_HEAD: usize = 72;
 const WANT_DATA: usize = 128;
+const SLEEP_BARRIER: usize = 132;
 const POLLER_CORE: usize = 136;
 const WANT_SPACE: usize = 192;
 
@@ -286,7 +299,7 @@ impl Segment {
             for slot in 0..BOX_SLOTS {
                 self.stamp(dir, slot).store(0, Ordering::Relaxed);
             }
-            for field in [WANT_DATA, POLLER_CORE, WANT_SPACE] {
+            for field in [WANT_DATA, SLEEP_BARRIER, POLLER_CORE, WANT_SPACE] {
                 self.flag(dir, field).store(0, Ordering::Relaxed);
             }
         }
@@ -319,6 +332,7 @@ impl Segment {
             head_seen: tail.saturating_sub(self.capacity),
             box_next,
             box_seen: box_next,
+            in_barriers: false,
         }
     }
 
@@ -326,7 +340,7 @@ impl Segment {
     pub fn consumer(&self, dir: Direction) -> Consumer {
         let head = self.word(dir, HEAD).load(Ordering::Acquire);
         let box_next = self.word(dir, BOX_HEAD).load(Ordering::Acquire);
-        Consumer { seg: self.clone(), dir, head, box_next, box_off: 0, box_len: 0 }
+        Consumer { seg: self.clone(), dir, head, box_next, box_off: 0, box_len: 0, sleep_barrier: None }
     }
 
     /// Say that the thread waiting for ring `dir`'s bytes (this side consumes it) runs on
@@ -348,8 +362,8 @@ impl Segment {
     }
 
     /// Store `value` in control field `field` (0 tail, 1 head, 2 want_data, 3 want_space, 4
-    /// box_head, 5 poller_core; others are ignored) of ring `dir`, as a misbehaving peer
-    /// could: what tests and the fuzzer use to play one.
+    /// box_head, 5 poller_core, 6 sleep_barrier; others are ignored) of ring `dir`, as a
+    /// misbehaving peer could: what tests and the fuzzer use to play one.
     #[doc(hidden)]
     pub fn scribble(&self, dir: Direction, field: u8, value: u64) {
         match field {
@@ -359,6 +373,7 @@ impl Segment {
             3 => self.flag(dir, WANT_SPACE).store(value as u32, Ordering::Release),
             4 => self.word(dir, BOX_HEAD).store(value, Ordering::Release),
             5 => self.flag(dir, POLLER_CORE).store(value as u32, Ordering::Release),
+            6 => self.flag(dir, SLEEP_BARRIER).store(value as u32, Ordering::Release),
             _ => {}
         }
     }
@@ -450,6 +465,9 @@ pub struct Producer {
     box_next: u64,
     /// The consumer's `box_head` when last read (checked then): as `head_seen`.
     box_seen: u64,
+    /// Whether this process's threads take part in the barrier a consumer may announce
+    /// ([`Producer::set_in_barriers`]).
+    in_barriers: bool,
 }
 
 impl Producer {
@@ -595,11 +613,33 @@ impl Producer {
     }
 
     /// After a write: whether the consumer asked for a doorbell (the request is taken, so
-    /// exactly one writer rings for it).
+    /// exactly one writer rings for it). Without a full fence before the look at the request
+    /// where the consumer announced a barrier this thread takes part in ("Doorbells" in the
+    /// [module docs](self)).
     pub fn take_data_request(&self) -> bool {
-        fence(Ordering::SeqCst);
+        if self.fences() {
+            fence(Ordering::SeqCst);
+        } else {
+            compiler_fence(Ordering::SeqCst);
+        }
         let flag = self.seg.flag(self.dir, WANT_DATA);
         flag.load(Ordering::Relaxed) != 0 && flag.swap(0, Ordering::AcqRel) != 0
+    }
+
+    /// Say whether this process's threads take part in the barrier a consumer announces with
+    /// [`Consumer::set_sleep_barrier`] (every thread of the process that runs then executes a
+    /// full fence). Where they do and the consumer announced one, [`Producer::take_data_request`]
+    /// needs no fence of its own.
+    pub fn set_in_barriers(&mut self, yes: bool) {
+        self.in_barriers = yes;
+    }
+
+    /// Whether [`Producer::take_data_request`] fences now: unless this process takes part in
+    /// the consumer's barrier and the consumer announced one. The announcement is the peer's
+    /// word, read on the line the request is: a peer that announces a barrier it does not run
+    /// loses only its own doorbells.
+    pub fn fences(&self) -> bool {
+        !(self.in_barriers && self.seg.flag(self.dir, SLEEP_BARRIER).load(Ordering::Relaxed) == 1)
     }
 
     /// Ask the consumer for a doorbell when it frees room; true if a write of `want` bytes
@@ -659,6 +699,8 @@ pub struct Consumer {
     /// was first read, checked then: a peer that changes it later changes nothing).
     box_off: usize,
     box_len: usize,
+    /// Run between a doorbell request and the look after it ([`Consumer::set_sleep_barrier`]).
+    sleep_barrier: Option<fn()>,
 }
 
 /// What comes next in a ring's stream ([`Consumer::next`]).
@@ -844,7 +886,20 @@ impl Consumer {
     pub fn request_data(&self) -> Result<bool, ShmError> {
         self.seg.flag(self.dir, WANT_DATA).store(1, Ordering::Relaxed);
         fence(Ordering::SeqCst);
+        if let Some(barrier) = self.sleep_barrier {
+            barrier();
+        }
         Ok(self.available()? > 0)
+    }
+
+    /// Run `barrier` at every doorbell request, between the request and the look after it, and
+    /// tell the producer so (on the request's line): `barrier` must make every thread of the
+    /// producer's process that runs then execute a full fence (Linux's `membarrier`), which
+    /// lets a producer that takes part ([`Producer::set_in_barriers`]) look at the request
+    /// without a fence of its own after every write. Set before the first request.
+    pub fn set_sleep_barrier(&mut self, barrier: fn()) {
+        self.sleep_barrier = Some(barrier);
+        self.seg.flag(self.dir, SLEEP_BARRIER).store(1, Ordering::Release);
     }
 
     /// Withdraw a doorbell request (the reader is awake and reads anyway).
@@ -1269,6 +1324,63 @@ mod tests {
         while c.read(&mut out).unwrap() > 0 {}
         assert!(c.take_space_request(), "the waiter asked: ring");
         assert!(p.request_space(1).unwrap());
+    }
+
+    #[test]
+    fn a_producer_looks_at_a_request_unfenced_only_where_it_takes_part_in_the_barrier_its_consumer_announced() {
+        fn none() {}
+        for (in_barriers, announced) in [(false, false), (true, false), (false, true), (true, true)] {
+            let (mut p, mut c, seg) = pair(4096);
+            p.set_in_barriers(in_barriers);
+            if announced {
+                c.set_sleep_barrier(none);
+            }
+            assert_eq!(p.fences(), !(in_barriers && announced), "{in_barriers} {announced}");
+            // The other ring's consumer announced nothing.
+            let mut back = seg.producer(Direction::FromAcceptor);
+            back.set_in_barriers(in_barriers);
+            assert!(back.fences());
+            // The doorbells work either way.
+            assert!(!c.request_data().unwrap());
+            p.write([&b"a"[..]]).unwrap();
+            assert!(p.take_data_request());
+        }
+        // The word is the peer's: only a 1 announces a barrier.
+        let (mut p, _c, seg) = pair(4096);
+        p.set_in_barriers(true);
+        for (value, fences) in [(2, true), (u64::from(u32::MAX), true), (1, false), (0, true)] {
+            seg.scribble(Direction::FromCreator, 6, value);
+            assert_eq!(p.fences(), fences, "{value}");
+        }
+    }
+
+    thread_local! {
+        /// The producer [`a_consumers_barrier_runs_after_its_request_and_before_its_look`]'s
+        /// barrier writes with, and what it saw.
+        static IN_BARRIER: std::cell::RefCell<(Option<Producer>, Vec<bool>)> = const { std::cell::RefCell::new((None, Vec::new())) };
+    }
+
+    #[test]
+    fn a_consumers_barrier_runs_after_its_request_and_before_its_look() {
+        // As a producer whose write lands while the barrier runs: it finds the request, and
+        // the consumer's look after the barrier finds its byte.
+        fn barrier() {
+            IN_BARRIER.with_borrow_mut(|(p, seen)| {
+                let p = p.as_mut().expect("a producer");
+                p.write([&b"x"[..]]).unwrap();
+                seen.push(p.take_data_request());
+            });
+        }
+        let (p, mut c, _seg) = pair(4096);
+        IN_BARRIER.with_borrow_mut(|state| state.0 = Some(p));
+        c.set_sleep_barrier(barrier);
+        assert!(c.request_data().unwrap(), "the look after the barrier sees the byte written in it");
+        assert!(c.request_data().unwrap());
+        IN_BARRIER
+            .with_borrow(|(_, seen)| assert_eq!(seen, &[true, true], "each request was there when the barrier ran"));
+        let mut out = [0u8; 4];
+        assert_eq!(c.read(&mut out).unwrap(), 1);
+        assert_eq!(c.read(&mut out).unwrap(), 1);
     }
 
     #[test]

@@ -22,7 +22,7 @@ enum Op {
     /// The consumer says where its waiting thread runs (`None`: it sleeps).
     PollerCore(Option<u32>),
     /// The peer scribbles: field 0 tail, 1 head, 2 want_data, 3 want_space, 4 box_head, 5
-    /// poller_core, of either ring.
+    /// poller_core, 6 sleep_barrier, of either ring.
     Scribble {
         ring: bool,
         field: u8,
@@ -63,6 +63,9 @@ fuzz_target!(|bytes: &[u8]| {
     let seg = Segment::in_heap(4096).expect("a heap segment");
     seg.init(&SegmentHeader { nonce: 1, capacity: 4096, creator: Rank(0), acceptor: Rank(1), group: GroupId(0) });
     let mut p = seg.producer(Direction::FromCreator);
+    // Whatever the peer writes in `sleep_barrier`, the producer looks at a request with a
+    // fence or without one.
+    p.set_in_barriers(true);
     let mut c = seg.consumer(Direction::FromCreator);
     let (mut sent, mut got) = (Vec::new(), Vec::new());
     let mut scribbled = false;
@@ -118,9 +121,9 @@ fuzz_target!(|bytes: &[u8]| {
                 let dir = if ring { Direction::FromAcceptor } else { Direction::FromCreator };
                 // The peer's view: its own producer/consumer over the same memory, moved by
                 // whole values through the only fields the layout has.
-                seg.scribble(dir, field % 6, value);
-                scribbled |= !ring && matches!(field % 6, 0 | 1 | 4);
-                if field % 6 == 5 {
+                seg.scribble(dir, field % 7, value);
+                scribbled |= !ring && matches!(field % 7, 0 | 1 | 4);
+                if field % 7 == 5 {
                     cores[usize::from(ring)] = None;
                 }
             }
