@@ -110,6 +110,41 @@ fn map(file: &File, len: usize, capacity: u64) -> io::Result<Segment> {
         .map_err(|e| io::Error::new(io::ErrorKind::InvalidData, e.to_string()))
 }
 
+/// Whether this process's threads take part in `membarrier(MEMBARRIER_CMD_GLOBAL_EXPEDITED)`
+/// (registered once per process, where the kernel has it): its rings' producers then look at a
+/// doorbell request without a fence, and its consumers run [`sleep_barrier`] before they sleep
+/// ("Doorbells" in [`cohort_core::shm`]). A kernel without it, or a sandbox that refuses the
+/// call, leaves the fences where they were.
+pub(crate) fn in_barriers() -> bool {
+    static REGISTERED: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *REGISTERED.get_or_init(|| {
+        #[cfg(target_os = "linux")]
+        {
+            let need = (libc::MEMBARRIER_CMD_GLOBAL_EXPEDITED | libc::MEMBARRIER_CMD_REGISTER_GLOBAL_EXPEDITED)
+                as libc::c_long;
+            // SAFETY: plain system calls with no pointers: a query, then a registration.
+            let cmds = unsafe { libc::syscall(libc::SYS_membarrier, libc::MEMBARRIER_CMD_QUERY, 0, 0) };
+            cmds >= 0
+                && cmds & need == need
+                && unsafe { libc::syscall(libc::SYS_membarrier, libc::MEMBARRIER_CMD_REGISTER_GLOBAL_EXPEDITED, 0, 0) }
+                    == 0
+        }
+        #[cfg(not(target_os = "linux"))]
+        false
+    })
+}
+
+/// Make every running thread of every process that takes part ([`in_barriers`]) execute a
+/// full fence: a consumer's barrier between its doorbell request and its last look. Only set
+/// where [`in_barriers`] held, whose query found the command there; it then cannot fail.
+pub(crate) fn sleep_barrier() {
+    #[cfg(target_os = "linux")]
+    // SAFETY: a plain system call with no pointers.
+    unsafe {
+        libc::syscall(libc::SYS_membarrier, libc::MEMBARRIER_CMD_GLOBAL_EXPEDITED, 0, 0);
+    }
+}
+
 /// A segment this rank made and has not yet offered: the file is removed when this goes.
 pub(crate) struct Created {
     segment: Segment,

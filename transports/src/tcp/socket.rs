@@ -37,6 +37,7 @@ use std::task::{Context, Poll, ready};
 use std::time::Duration;
 
 use cohort_core::work::Rank;
+use spin::mutex::SpinMutex;
 use tokio::io::unix::AsyncFd;
 use tokio::io::{AsyncWrite, Interest};
 use tokio::net::TcpStream;
@@ -238,7 +239,13 @@ impl FastReader {
         let kick = tokio::sync::Notify::new();
         let socket_ready = AtomicBool::new(false);
         let peer = asm.from();
-        let ring = shm.as_ref().map(|path| path.link.segment.consumer(path.link.incoming()));
+        let ring = shm.as_ref().map(|path| {
+            let mut ring = path.link.segment.consumer(path.link.incoming());
+            if super::shm::in_barriers() {
+                ring.set_sleep_barrier(super::shm::sleep_barrier);
+            }
+            ring
+        });
         let reader = FastReader {
             socket,
             peer,
@@ -725,8 +732,9 @@ pub(crate) enum ShmStep {
 
 impl ShmPath {
     pub(crate) fn new(link: &ShmLink, socket: Arc<StdStream>) -> Arc<ShmPath> {
-        let producer = link.segment.producer(link.outgoing());
-        let wire = Arc::new(ShmWire { warmer: producer.warmer(), out: Mutex::new(producer), socket });
+        let mut producer = link.segment.producer(link.outgoing());
+        producer.set_in_barriers(super::shm::in_barriers());
+        let wire = Arc::new(ShmWire { warmer: producer.warmer(), out: SpinMutex::new(producer), socket });
         Arc::new(ShmPath { link: link.clone(), wire, space: Mutex::new(None), eof: AtomicBool::new(false) })
     }
 
@@ -821,7 +829,10 @@ impl ShmPath {
 /// The outgoing ring of a shared-memory connection, as senders and the writer task write it.
 #[derive(Debug)]
 pub(crate) struct ShmWire {
-    out: Mutex<Producer>,
+    /// A lock whose release is a plain store: a locked instruction after a send waits for the
+    /// send's line to come over from the peer's cache ("Doorbells" in [`cohort_core::shm`]).
+    /// Held for one write; a thread that finds it held yields.
+    out: SpinMutex<Producer, spin::relax::Yield>,
     /// Warms the outgoing ring's next box slot ([`Held::wait_for`]).
     warmer: Warmer,
     /// The pair's socket, for doorbells.
@@ -834,8 +845,8 @@ impl ShmWire {
         let _ = (&*self.socket).write(&[1]);
     }
 
-    fn producer(&self) -> std::sync::MutexGuard<'_, Producer> {
-        self.out.lock().unwrap_or_else(|p| p.into_inner())
+    fn producer(&self) -> spin::mutex::SpinMutexGuard<'_, Producer> {
+        self.out.lock()
     }
 }
 
