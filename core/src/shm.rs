@@ -24,8 +24,8 @@
 //! `tail` (ring bytes ever written, the producer's), `head` (ring bytes ever read) and
 //! `box_head` (box entries ever read), both the consumer's, `want_data` (the consumer sleeps
 //! and wants a doorbell) with `sleep_barrier` and `poller_core` on its line (see below), and
-//! `want_space` (the producer waits for room and wants a doorbell). Positions only grow; a byte at position `p`
-//! lives at `p mod capacity`.
+//! `want_space` (the producer waits for room and wants a doorbell). Positions only grow; a
+//! byte at position `p` lives at `p mod capacity`.
 //!
 //! `poller_core` is the core the consumer's waiting thread last ran on, plus one (0: unknown,
 //! or the thread sleeps): two ranks of a pair whose waiting threads share one core take turns
@@ -1058,6 +1058,8 @@ impl std::fmt::Display for Answer {
 
 #[cfg(test)]
 mod tests {
+    use std::cell::RefCell;
+
     use super::*;
 
     fn pair(capacity: u64) -> (Producer, Consumer, Segment) {
@@ -1357,7 +1359,7 @@ mod tests {
     thread_local! {
         /// The producer [`a_consumers_barrier_runs_after_its_request_and_before_its_look`]'s
         /// barrier writes with, and what it saw.
-        static IN_BARRIER: std::cell::RefCell<(Option<Producer>, Vec<bool>)> = const { std::cell::RefCell::new((None, Vec::new())) };
+        static IN_BARRIER: RefCell<(Option<Producer>, Vec<bool>)> = const { RefCell::new((None, Vec::new())) };
     }
 
     #[test]
