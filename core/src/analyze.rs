@@ -38,6 +38,7 @@ use std::fmt;
 use serde::{Deserialize, Serialize};
 
 use crate::recorder::{Dump, DumpEntry, EntryState};
+use crate::schedule::MAX_WORLD_SIZE;
 use crate::work::{Blame, OpType, Rank, WorkState};
 
 /// What is wrong with one collective.
@@ -281,13 +282,15 @@ fn op_name(e: &DumpEntry) -> &str {
 
 /// Diagnose a job from its ranks' dumps. Each dump names its rank (ours do); for dumps that do
 /// not (torch's), pass the rank with it. `world_size` is the job's size (taken from the dumps
-/// when `None`).
+/// when `None`; a dump's size above [`MAX_WORLD_SIZE`] is not believed). Missing dumps are
+/// named among the first [`MAX_WORLD_SIZE`] ranks.
 pub fn diagnose(dumps: &[(Rank, Dump)], world_size: Option<u32>) -> Diagnosis {
     let world = world_size
-        .or_else(|| dumps.iter().filter_map(|(_, d)| d.world_size).max())
-        .unwrap_or_else(|| dumps.iter().map(|(r, _)| r.0 + 1).max().unwrap_or(0));
+        .or_else(|| dumps.iter().filter_map(|(_, d)| d.world_size).filter(|&w| w <= MAX_WORLD_SIZE).max())
+        .unwrap_or_else(|| dumps.iter().map(|(r, _)| r.0.saturating_add(1)).max().unwrap_or(0));
     let have: BTreeSet<Rank> = dumps.iter().map(|(r, _)| *r).collect();
-    let missing_dumps: Vec<Rank> = (0..world).map(Rank).filter(|r| !have.contains(r)).collect();
+    // A corrupt or hostile file's size of four billion must not list four billion ranks.
+    let missing_dumps: Vec<Rank> = (0..world.min(MAX_WORLD_SIZE)).map(Rank).filter(|r| !have.contains(r)).collect();
 
     // pg id → rank → seq → entry
     let mut groups: BTreeMap<u64, BTreeMap<Rank, BTreeMap<u64, &DumpEntry>>> = BTreeMap::new();
@@ -479,11 +482,14 @@ fn first_disagreement(
         (present, by_op, op)
     };
     let finding = |seq: u64, op: String, kind| Some(Finding { pg_id, pg_desc: pg_desc.to_owned(), seq, op, kind });
+    // The numbers some rank recorded, not every number between: they are the dump files', and
+    // two of them 2^62 apart must not take 2^62 steps.
+    let seqs: BTreeSet<u64> = by_rank.values().flat_map(|m| m.range(start..=end).map(|(seq, _)| *seq)).collect();
 
     // First pass: a mismatch of op, size or dtype anywhere is a certain desync, and the cause
     // of whatever timing disagreement (ranks stuck, ranks that never joined) came before it in
     // the dumps of an asynchronous job: report the earliest one.
-    for seq in start..=end {
+    for &seq in &seqs {
         let (present, by_op, op) = at(seq);
         if by_op.len() > 1 {
             let by_op = by_op.into_iter().map(|(k, v)| (k.to_owned(), v)).collect();
@@ -512,7 +518,7 @@ fn first_disagreement(
         }
     }
     // Second pass: the first collective some ranks never joined, or did not all finish.
-    for seq in start..=end {
+    for &seq in &seqs {
         let (present, _, op) = at(seq);
         if present.is_empty() {
             continue;
@@ -553,7 +559,11 @@ fn first_disagreement(
     if !missing_dumps.is_empty() {
         // Every dump agrees, but some ranks left none (a crashed process leaves no dump): the
         // job stopped after seq `end`, and only they can say why.
-        return finding(end + 1, String::new(), FindingKind::Undecided { missing_dumps: missing_dumps.to_vec() });
+        return finding(
+            end.saturating_add(1),
+            String::new(),
+            FindingKind::Undecided { missing_dumps: missing_dumps.to_vec() },
+        );
     }
     None
 }
@@ -645,6 +655,56 @@ mod tests {
         let dtype =
             diagnose(&[dump(0, 2, &[(AR, 8, DType::F32, false)]), dump(1, 2, &[(AR, 8, DType::F64, false)])], None);
         assert!(matches!(dtype.findings[0].kind, FindingKind::DtypeMismatch { .. }), "{dtype}");
+    }
+
+    #[test]
+    fn sequence_numbers_far_apart_cost_what_the_entries_do() {
+        // A dump's numbers are its file's: the diagnosis steps through those recorded, not
+        // through every number between (this one took 2^62 steps before).
+        let far = |rank, done: bool| {
+            let (rank, mut d) = dump(rank, 3, &[(AR, 8, DType::F32, true), (AR, 8, DType::F32, done)]);
+            d.entries[1].collective_seq_id = 1 << 62;
+            (rank, d)
+        };
+        let dumps = vec![far(0, true), far(1, false)];
+        let (tx, rx) = std::sync::mpsc::channel();
+        std::thread::spawn(move || {
+            let d = diagnose(&dumps, Some(2));
+            let _ = tx.send(d.findings[0].clone());
+            // Every dump agrees up to the largest number a u64 holds, and a rank left none.
+            let mut last = far(0, true);
+            last.1.entries[1].collective_seq_id = u64::MAX;
+            let _ = tx.send(diagnose(&[last], Some(2)).findings[0].clone());
+        });
+        let wait = Duration::from_secs(20);
+        let f = rx.recv_timeout(wait).expect("a diagnosis in time");
+        assert_eq!(f.seq, 1 << 62);
+        assert_eq!(f.kind, FindingKind::StateMismatch { completed: vec![Rank(0)], stuck: vec![Rank(1)] });
+        let f = rx.recv_timeout(wait).expect("a diagnosis in time");
+        assert_eq!((f.seq, f.kind), (u64::MAX, FindingKind::Undecided { missing_dumps: vec![Rank(1)] }));
+    }
+
+    #[test]
+    fn a_dumps_world_size_or_rank_past_any_world_lists_no_four_billion_ranks() {
+        let stuck = [(AR, 8, DType::F32, false)];
+        let (r0, mut d0) = dump(0, 2, &stuck);
+        d0.world_size = Some(u32::MAX);
+        let (tx, rx) = std::sync::mpsc::channel();
+        let dumps = vec![(r0, d0.clone()), dump(1, 2, &stuck)];
+        std::thread::spawn(move || {
+            // Not believed: the other dump's size stands, and both ranks wait alike.
+            let _ = tx.send(diagnose(&dumps, None));
+            // A rank past any world: the missing are named among the first ranks a world may
+            // have.
+            let _ = tx.send(diagnose(&[(Rank(u32::MAX), d0)], None));
+        });
+        let wait = Duration::from_secs(20);
+        let d = rx.recv_timeout(wait).expect("a diagnosis in time");
+        assert!(d.is_healthy(), "{d}");
+        let d = rx.recv_timeout(wait).expect("a diagnosis in time");
+        let FindingKind::Undecided { missing_dumps } = &d.findings[0].kind else { panic!("{d}") };
+        assert_eq!(missing_dumps.len(), MAX_WORLD_SIZE as usize);
+        assert_eq!((missing_dumps[0], missing_dumps[missing_dumps.len() - 1]), (Rank(0), Rank(MAX_WORLD_SIZE - 1)));
     }
 
     #[test]
