@@ -660,7 +660,7 @@ mod tests {
     #[test]
     fn sequence_numbers_far_apart_cost_what_the_entries_do() {
         // A dump's numbers are its file's: the diagnosis steps through those recorded, not
-        // through every number between (this one took 2^62 steps before).
+        // through every number between (2^62 of them here).
         let far = |rank, done: bool| {
             let (rank, mut d) = dump(rank, 3, &[(AR, 8, DType::F32, true), (AR, 8, DType::F32, done)]);
             d.entries[1].collective_seq_id = 1 << 62;
